@@ -1,0 +1,134 @@
+-- edge-inbox schema, version 1.
+--
+-- This file is the single source of the schema: `src/schema.rs` runs it on a new database and then sets
+-- `PRAGMA user_version`. A later version adds a forward migration there and bumps the version; this file
+-- always shows the current shape.
+--
+-- Times are Unix seconds (UTC). Hashes are xxh3 (stable across releases and platforms).
+
+-- Consumer scopes are interned: every other table stores the small integer, not the name.
+CREATE TABLE scopes (
+    id         INTEGER PRIMARY KEY,
+    name       TEXT    NOT NULL UNIQUE,
+    created_at INTEGER NOT NULL
+);
+
+-- The evidence. One compact row per (scope, producer, message id) ever committed.
+-- id_hash is xxh3-128 of (producer, message id): fixed width whatever the id length, so the row stays small
+-- after the payload is pruned. fingerprint is xxh3-64 of (topic, payload) and only detects conflicts.
+-- The PRIMARY KEY insert, inside BEGIN IMMEDIATE, is what arbitrates a duplicate.
+CREATE TABLE identities (
+    scope_id    INTEGER NOT NULL,
+    id_hash     BLOB    NOT NULL,
+    fingerprint INTEGER NOT NULL,
+    at          INTEGER NOT NULL,
+    PRIMARY KEY (scope_id, id_hash)
+) WITHOUT ROWID;
+
+-- Same identity, different content: recorded, never applied.
+CREATE TABLE conflicts (
+    id                   INTEGER PRIMARY KEY,
+    scope_id             INTEGER NOT NULL,
+    id_hash              BLOB    NOT NULL,
+    producer             TEXT,
+    message_id           TEXT    NOT NULL,
+    topic                TEXT    NOT NULL,
+    stored_fingerprint   INTEGER NOT NULL,
+    received_fingerprint INTEGER NOT NULL,
+    at                   INTEGER NOT NULL
+);
+CREATE INDEX conflicts_by_identity ON conflicts (scope_id, id_hash);
+
+-- Durable counters per scope, updated in the same transaction as the outcomes they count.
+CREATE TABLE scope_stats (
+    scope_id          INTEGER PRIMARY KEY,
+    processed         INTEGER NOT NULL DEFAULT 0,
+    duplicates        INTEGER NOT NULL DEFAULT 0,
+    conflicts         INTEGER NOT NULL DEFAULT 0,
+    handler_failures  INTEGER NOT NULL DEFAULT 0,
+    quarantined       INTEGER NOT NULL DEFAULT 0,
+    dead_lettered     INTEGER NOT NULL DEFAULT 0,
+    identities_pruned INTEGER NOT NULL DEFAULT 0,
+    payloads_pruned   INTEGER NOT NULL DEFAULT 0
+);
+
+-- Built-in key-value state for handlers. Values are CBOR. ns is the scope name unless the caller picks one.
+CREATE TABLE kv (
+    ns    TEXT NOT NULL,
+    key   TEXT NOT NULL,
+    value BLOB NOT NULL,
+    PRIMARY KEY (ns, key)
+) WITHOUT ROWID;
+
+-- Deliveries that could not become a Delivery (no id, malformed envelope, over a limit): kept, not dropped.
+CREATE TABLE quarantine (
+    id       INTEGER PRIMARY KEY,
+    scope_id INTEGER,
+    topic    TEXT    NOT NULL,
+    payload  BLOB    NOT NULL,
+    reason   TEXT    NOT NULL,
+    at       INTEGER NOT NULL
+);
+
+-- Message bodies: pending work of the received-then-deferred mode, and optionally the payloads of processed
+-- deliveries. state: 0 pending, 1 processed, 2 failed (waiting for a retry), 3 dead-lettered.
+-- payload becomes NULL when pruned; the identity row stays.
+CREATE TABLE messages (
+    seq          INTEGER PRIMARY KEY,
+    scope_id     INTEGER NOT NULL,
+    id_hash      BLOB    NOT NULL,
+    producer     TEXT,
+    message_id   TEXT    NOT NULL,
+    topic        TEXT    NOT NULL,
+    payload      BLOB,
+    order_key    TEXT,
+    state        INTEGER NOT NULL CHECK (state IN (0, 1, 2, 3)),
+    attempts     INTEGER NOT NULL DEFAULT 0,
+    not_before   INTEGER NOT NULL DEFAULT 0,
+    lease_owner  TEXT,
+    lease_until  INTEGER,
+    last_error   TEXT,
+    received_at  INTEGER NOT NULL,
+    finished_at  INTEGER,
+    UNIQUE (scope_id, id_hash)
+);
+CREATE INDEX messages_by_state ON messages (scope_id, state, not_before, seq);
+
+-- Messages a handler asked to publish, written in the same commit as its effect.
+-- state: 0 pending, 1 sent (PUBACK received).
+CREATE TABLE outbox (
+    seq        INTEGER PRIMARY KEY,
+    scope_id   INTEGER NOT NULL,
+    message_id TEXT    NOT NULL UNIQUE,
+    topic      TEXT    NOT NULL,
+    payload    BLOB    NOT NULL,
+    qos        INTEGER NOT NULL,
+    properties BLOB,
+    state      INTEGER NOT NULL DEFAULT 0 CHECK (state IN (0, 1)),
+    attempts   INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL,
+    sent_at    INTEGER
+);
+CREATE INDEX outbox_pending ON outbox (state, seq);
+
+-- Per-producer sequence watermarks (opt-in per scope): every sequence <= high is processed; exceptions holds
+-- the processed sequences above high that arrived out of order.
+CREATE TABLE watermarks (
+    scope_id INTEGER NOT NULL,
+    producer TEXT    NOT NULL,
+    high     INTEGER NOT NULL,
+    PRIMARY KEY (scope_id, producer)
+) WITHOUT ROWID;
+CREATE TABLE watermark_exceptions (
+    scope_id INTEGER NOT NULL,
+    producer TEXT    NOT NULL,
+    sequence INTEGER NOT NULL,
+    PRIMARY KEY (scope_id, producer, sequence)
+) WITHOUT ROWID;
+
+-- Retention bookkeeping: the newest identity time pruned per scope, so a delivery older than the horizon can be
+-- flagged instead of being taken for new.
+CREATE TABLE retention (
+    scope_id      INTEGER PRIMARY KEY,
+    pruned_before INTEGER NOT NULL
+);

@@ -1,0 +1,118 @@
+//! Settings for opening an inbox.
+
+use std::time::Duration;
+
+/// How hard SQLite works to make a commit durable before [`Inbox::process`](crate::Inbox::process) returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Synchronous {
+    /// `synchronous=FULL` (the default): the WAL is fsynced at every commit. When `process` returns
+    /// `Ok`, the identity and the effect survive a crash of the process *and* a power loss.
+    #[default]
+    Full,
+    /// `synchronous=NORMAL`: the WAL is fsynced only at checkpoints. A commit survives a crash of the
+    /// process, but **a power loss can lose recently committed, already acknowledged deliveries**: the broker
+    /// will not redeliver them, so their effects are lost. Opt in only where that is acceptable.
+    Normal,
+}
+
+impl Synchronous {
+    pub(crate) fn pragma_value(self) -> i64 {
+        match self {
+            Synchronous::Full => 2,
+            Synchronous::Normal => 1,
+        }
+    }
+}
+
+/// Size limits checked before anything is written. A delivery over a limit is rejected with
+/// [`InvalidDelivery::TooLong`](crate::InvalidDelivery::TooLong).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Longest consumer scope name, in bytes. Default 128.
+    pub max_scope_len: usize,
+    /// Longest message id or producer namespace, in bytes. Default 256.
+    pub max_id_len: usize,
+    /// Longest topic, in bytes. Default 1024.
+    pub max_topic_len: usize,
+    /// Largest payload, in bytes. Default 1 MiB.
+    pub max_payload_len: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_scope_len: 128, max_id_len: 256, max_topic_len: 1024, max_payload_len: 1 << 20 }
+    }
+}
+
+/// Options for [`Inbox::open`](crate::Inbox::open). Start from [`Config::default`] and change what you need.
+///
+/// ```
+/// use edge_inbox::{Config, Synchronous};
+/// use std::time::Duration;
+/// let config = Config::default()
+///     .busy_timeout(Duration::from_secs(10))
+///     .synchronous(Synchronous::Full);
+/// assert_eq!(config.get_synchronous(), Synchronous::Full);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub(crate) synchronous: Synchronous,
+    pub(crate) busy_timeout: Duration,
+    pub(crate) limits: Limits,
+    pub(crate) journal_size_limit: i64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            synchronous: Synchronous::Full,
+            busy_timeout: Duration::from_secs(5),
+            limits: Limits::default(),
+            journal_size_limit: 64 << 20,
+        }
+    }
+}
+
+impl Config {
+    /// Durability of each commit. Default [`Synchronous::Full`]; read the warning on
+    /// [`Synchronous::Normal`] before changing it.
+    pub fn synchronous(mut self, synchronous: Synchronous) -> Self {
+        self.synchronous = synchronous;
+        self
+    }
+
+    /// How long a write waits for another connection's write lock before failing with
+    /// [`Error::Busy`](crate::Error::Busy). Default 5 s.
+    pub fn busy_timeout(mut self, timeout: Duration) -> Self {
+        self.busy_timeout = timeout;
+        self
+    }
+
+    /// Input size limits. Default [`Limits::default`].
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Size, in bytes, the WAL file is truncated back to after a checkpoint. Default 64 MiB.
+    pub fn journal_size_limit(mut self, bytes: i64) -> Self {
+        self.journal_size_limit = bytes;
+        self
+    }
+
+    /// The configured durability.
+    pub fn get_synchronous(&self) -> Synchronous {
+        self.synchronous
+    }
+
+    /// The configured busy timeout.
+    pub fn get_busy_timeout(&self) -> Duration {
+        self.busy_timeout
+    }
+
+    /// The configured input limits.
+    pub fn get_limits(&self) -> &Limits {
+        &self.limits
+    }
+}

@@ -1,0 +1,224 @@
+//! Errors, classified by SQLite extended result codes (never by message text).
+
+use std::fmt;
+use std::path::PathBuf;
+
+use rusqlite::ffi;
+
+/// Why a delivery was refused before anything was written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InvalidDelivery {
+    /// The consumer scope is empty.
+    EmptyScope,
+    /// The message id is empty.
+    EmptyMessageId,
+    /// The producer namespace is present but empty.
+    EmptyProducer,
+    /// A field is longer than the configured limit.
+    TooLong {
+        /// Which field: `scope`, `producer`, `message id`, `topic` or `payload`.
+        field: &'static str,
+        /// Its length in bytes.
+        len: usize,
+        /// The configured maximum in bytes.
+        max: usize,
+    },
+    /// No application message id could be found (MQTT adapter: no user property, no envelope).
+    MissingId,
+    /// The payload envelope could not be decoded.
+    MalformedEnvelope(String),
+}
+
+impl fmt::Display for InvalidDelivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            InvalidDelivery::EmptyScope => f.write_str("consumer scope is empty"),
+            InvalidDelivery::EmptyMessageId => f.write_str("message id is empty"),
+            InvalidDelivery::EmptyProducer => f.write_str("producer namespace is present but empty"),
+            InvalidDelivery::TooLong { field, len, max } => {
+                write!(f, "{field} is {len} bytes, over the limit of {max}")
+            }
+            InvalidDelivery::MissingId => f.write_str("delivery carries no application message id"),
+            InvalidDelivery::MalformedEnvelope(why) => write!(f, "malformed envelope: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for InvalidDelivery {}
+
+/// Everything that can go wrong in the inbox.
+///
+/// None of these is ever a duplicate: a caller that gets an `Err` must not acknowledge the delivery.
+/// [`Error::is_retryable`] tells whether the same call may succeed later without operator action.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// The database stayed locked by another connection for longer than the busy timeout.
+    /// Nothing was written; retry later.
+    Busy {
+        /// SQLite extended result code (`SQLITE_BUSY*` or `SQLITE_LOCKED*`).
+        code: i32,
+    },
+    /// The disk (or `max_page_count`) is full. The transaction was rolled back; nothing was written.
+    DiskFull,
+    /// The database or its file system is read-only. Nothing was written.
+    ReadOnly {
+        /// SQLite extended result code (`SQLITE_READONLY*`).
+        code: i32,
+    },
+    /// `COMMIT` failed with an I/O error: the transaction may or may not be durable.
+    /// Do not acknowledge; when the broker redelivers, the identity lookup settles it.
+    CommitUnknown {
+        /// SQLite extended result code returned by `COMMIT`.
+        code: i32,
+        /// The underlying error.
+        source: rusqlite::Error,
+    },
+    /// Any other SQLite failure (I/O error, corruption, ...). Nothing was acknowledged.
+    Storage {
+        /// SQLite extended result code, or -1 when the error did not come from the SQLite library.
+        code: i32,
+        /// The underlying error.
+        source: rusqlite::Error,
+    },
+    /// The file at this path is not an SQLite database (or is encrypted, or corrupt in its header).
+    NotADatabase {
+        /// The path that was opened.
+        path: PathBuf,
+    },
+    /// The database was written by a newer edge-inbox whose schema this version cannot read.
+    SchemaTooNew {
+        /// `PRAGMA user_version` found in the file.
+        found: i64,
+        /// The newest version this build knows.
+        supported: i64,
+    },
+    /// The database could not be created or opened.
+    Open {
+        /// The path that was opened.
+        path: PathBuf,
+        /// The operating-system error.
+        source: std::io::Error,
+    },
+    /// A setting could not be applied or read back as requested (e.g. WAL refused by the file system).
+    Setting {
+        /// What was asked for, e.g. `journal_mode=wal`.
+        wanted: String,
+        /// What SQLite reported instead.
+        got: String,
+    },
+    /// The delivery is not acceptable input; nothing was written.
+    InvalidDelivery(InvalidDelivery),
+    /// A state value could not be encoded to or decoded from CBOR.
+    Codec(String),
+    /// An argument given to the inbox is invalid (e.g. an empty scope name in a query).
+    InvalidArgument(String),
+    /// A handler ended the inbox's transaction itself (ran `COMMIT` or `ROLLBACK` through
+    /// [`Tx::sql`](crate::Tx::sql)). The batch failed; nothing of it may be acked.
+    HandlerEndedTransaction,
+}
+
+impl Error {
+    /// True when the same call may succeed later without anyone changing anything (busy, I/O hiccup,
+    /// unknown commit outcome, a full disk that gets space again).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Error::Busy { .. } | Error::DiskFull | Error::CommitUnknown { .. } | Error::Storage { .. }
+        )
+    }
+
+    /// The SQLite extended result code behind this error, if any.
+    pub fn sqlite_code(&self) -> Option<i32> {
+        match self {
+            Error::Busy { code } | Error::ReadOnly { code } => Some(*code),
+            Error::DiskFull => Some(ffi::SQLITE_FULL),
+            Error::CommitUnknown { code, .. } | Error::Storage { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Busy { code } => write!(f, "database is busy (SQLite code {code}); nothing written"),
+            Error::DiskFull => f.write_str("database or disk is full; nothing written"),
+            Error::ReadOnly { code } => {
+                write!(f, "database is read-only (SQLite code {code}); nothing written")
+            }
+            Error::CommitUnknown { code, .. } => write!(
+                f,
+                "COMMIT failed with SQLite code {code}: outcome unknown, resolve by identity lookup"
+            ),
+            Error::Storage { code, source } => write!(f, "storage error (SQLite code {code}): {source}"),
+            Error::NotADatabase { path } => {
+                write!(f, "{} is not an SQLite database", path.display())
+            }
+            Error::SchemaTooNew { found, supported } => write!(
+                f,
+                "database schema version {found} is newer than this build supports ({supported})"
+            ),
+            Error::Open { path, source } => write!(f, "cannot open {}: {source}", path.display()),
+            Error::Setting { wanted, got } => write!(f, "could not set {wanted}: SQLite reports {got}"),
+            Error::InvalidDelivery(why) => write!(f, "invalid delivery: {why}"),
+            Error::Codec(why) => write!(f, "state value codec error: {why}"),
+            Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
+            Error::HandlerEndedTransaction => {
+                f.write_str("the handler ended the inbox's transaction; batch not acknowledged")
+            }
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::CommitUnknown { source, .. } | Error::Storage { source, .. } => Some(source),
+            Error::Open { source, .. } => Some(source),
+            Error::InvalidDelivery(why) => Some(why),
+            _ => None,
+        }
+    }
+}
+
+impl From<InvalidDelivery> for Error {
+    fn from(why: InvalidDelivery) -> Self {
+        Error::InvalidDelivery(why)
+    }
+}
+
+/// The extended result code of a rusqlite error, if it came from the SQLite library.
+pub(crate) fn extended_code(err: &rusqlite::Error) -> Option<i32> {
+    match err {
+        rusqlite::Error::SqliteFailure(e, _) => Some(e.extended_code),
+        _ => None,
+    }
+}
+
+impl From<rusqlite::Error> for Error {
+    /// Classifies by the primary result code (low byte of the extended code).
+    fn from(err: rusqlite::Error) -> Self {
+        let Some(code) = extended_code(&err) else {
+            return Error::Storage { code: -1, source: err };
+        };
+        match code & 0xff {
+            ffi::SQLITE_BUSY | ffi::SQLITE_LOCKED => Error::Busy { code },
+            ffi::SQLITE_FULL => Error::DiskFull,
+            ffi::SQLITE_READONLY => Error::ReadOnly { code },
+            _ => Error::Storage { code, source: err },
+        }
+    }
+}
+
+/// True when the error is the primary-key or unique violation that marks an existing identity.
+pub(crate) fn is_unique_violation(err: &rusqlite::Error) -> bool {
+    matches!(
+        extended_code(err),
+        Some(ffi::SQLITE_CONSTRAINT_PRIMARYKEY) | Some(ffi::SQLITE_CONSTRAINT_UNIQUE)
+    )
+}
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

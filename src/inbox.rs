@@ -1,0 +1,427 @@
+//! The strong case: identity insert and handler effect in one SQLite transaction.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rusqlite::{Connection, OptionalExtension};
+
+use crate::config::Config;
+use crate::error::{extended_code, is_unique_violation, Error, Result};
+use crate::identity::{Delivery, Fingerprint, IdHash};
+use crate::outcome::{MessageState, Outcome, Status};
+use crate::schema;
+use crate::state::{is_storage_failure, Tx};
+
+/// A handler: applies one delivery's effect inside the open transaction.
+///
+/// Return `Err` to refuse the delivery: its effect and identity are rolled back together
+/// ([`Outcome::HandlerFailed`]). Errors that come from storage trouble (a full disk, a busy or read-only
+/// database) are recognised and fail the whole call as an [`Error`] instead.
+pub trait Handler: FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()> {}
+impl<F: FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()>> Handler for F {}
+
+/// Outcome counts of one transaction, per scope, written to `scope_stats` before it commits.
+#[derive(Default, Clone, Copy)]
+struct Counts {
+    scope_id: i64,
+    processed: i64,
+    duplicates: i64,
+    conflicts: i64,
+    handler_failures: i64,
+}
+
+/// An open inbox: one SQLite connection on one database file.
+///
+/// An `Inbox` is used from one thread at a time (it is `Send`, not `Sync`). Several threads or processes
+/// share a file by each opening their own `Inbox`; SQLite lets one of them write at a time, and the others
+/// wait up to the busy timeout.
+pub struct Inbox {
+    pub(crate) conn: Connection,
+    pub(crate) config: Config,
+    path: PathBuf,
+    scopes: HashMap<String, i64>,
+    counts: Vec<Counts>,
+    pub(crate) buf: RefCell<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Inbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbox").field("path", &self.path).field("config", &self.config).finish()
+    }
+}
+
+impl Inbox {
+    /// Opens the inbox at `path`, creating the file (mode 0600) and the schema if needed, and applying the
+    /// settings in `config`: WAL journal, `synchronous` (FULL unless you opted out), busy timeout, foreign
+    /// keys. Each setting is read back; one that does not stick is an [`Error::Setting`].
+    ///
+    /// Errors: [`Error::NotADatabase`] for a file that is not SQLite, [`Error::SchemaTooNew`] for a file
+    /// written by a newer version, [`Error::Open`] or [`Error::ReadOnly`] for a location that cannot be
+    /// written.
+    pub fn open(path: impl AsRef<Path>, config: Config) -> Result<Inbox> {
+        let path = path.as_ref();
+        let conn = schema::open(path, &config)?;
+        Ok(Inbox {
+            conn,
+            config,
+            path: path.to_owned(),
+            scopes: HashMap::new(),
+            counts: Vec::new(),
+            buf: RefCell::new(Vec::new()),
+        })
+    }
+
+    /// The settings this inbox was opened with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The underlying connection, for reads of the application's own tables outside a delivery.
+    /// Writes that must be atomic with a delivery belong in the handler ([`Tx::sql`]).
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// Offers one delivery: in one `BEGIN IMMEDIATE` transaction inserts its identity and runs `handler`,
+    /// then commits (durably, with the default `synchronous=FULL`).
+    ///
+    /// `Ok` means the outcome is committed; acknowledge the delivery if [`Outcome::may_ack`]. `Err` means
+    /// nothing is known to be committed: do not acknowledge ([`Error::CommitUnknown`] may in fact have
+    /// committed; a redelivery and [`Inbox::status`] settle it).
+    pub fn process<H: Handler>(&mut self, delivery: &Delivery<'_>, mut handler: H) -> Result<Outcome> {
+        let mut outcome = None;
+        self.run(std::slice::from_ref(delivery), &mut handler, |_, o| outcome = Some(o))?;
+        Ok(outcome.expect("one delivery yields one outcome"))
+    }
+
+    /// Offers many deliveries in one transaction (group commit: one fsync for all of them). Each runs in
+    /// its own savepoint, so a failing handler rolls back only its own delivery. Outcomes come back in
+    /// input order. A repeated identity within the batch is a [`Outcome::Duplicate`] of the first.
+    ///
+    /// All deliveries are validated first; an invalid one fails the call before anything is written.
+    /// A storage error fails the whole batch: nothing of it is committed, nothing may be acked.
+    pub fn process_batch<H: Handler>(&mut self, deliveries: &[Delivery<'_>], mut handler: H) -> Result<Vec<Outcome>> {
+        let mut outcomes = Vec::with_capacity(deliveries.len());
+        self.process_batch_into(deliveries, &mut handler, &mut outcomes)?;
+        Ok(outcomes)
+    }
+
+    /// [`Inbox::process_batch`] writing into a caller-owned vector (cleared first), so a consumer that reuses
+    /// it allocates nothing per batch. On `Err` the vector is left empty.
+    pub fn process_batch_into<H: Handler>(
+        &mut self,
+        deliveries: &[Delivery<'_>],
+        handler: &mut H,
+        outcomes: &mut Vec<Outcome>,
+    ) -> Result<()> {
+        outcomes.clear();
+        let result = self.run(deliveries, handler, |_, o| outcomes.push(o));
+        if result.is_err() {
+            outcomes.clear();
+        }
+        result
+    }
+
+    /// What is durably recorded for an identity: used to settle an [`Error::CommitUnknown`], and by tools.
+    pub fn status(&mut self, scope: &str, producer: Option<&str>, message_id: &str) -> Result<Status> {
+        status(&self.conn, scope, producer, message_id)
+    }
+
+    /// Records a delivery that could not be turned into a [`Delivery`] (no id, malformed envelope, over a
+    /// limit) in the `quarantine` table, with its topic, payload and reason, and counts it for `scope`.
+    /// Once this returns `Ok` the delivery may be acked: it is kept for an operator, not lost.
+    /// Returns the quarantine row id.
+    pub fn quarantine(&mut self, scope: &str, topic: &str, payload: &[u8], reason: &str) -> Result<i64> {
+        let scope_id = self.scope_id(scope)?;
+        let now = unix_now();
+        begin(&self.conn)?;
+        let result = (|| -> rusqlite::Result<i64> {
+            self.conn
+                .prepare_cached(
+                    "INSERT INTO quarantine (scope_id, topic, payload, reason, at) VALUES (?1, ?2, ?3, ?4, ?5)",
+                )?
+                .execute((scope_id, topic, payload, reason, now))?;
+            let id = self.conn.last_insert_rowid();
+            self.conn
+                .prepare_cached("UPDATE scope_stats SET quarantined = quarantined + 1 WHERE scope_id = ?1")?
+                .execute([scope_id])?;
+            Ok(id)
+        })();
+        match result {
+            Ok(id) => {
+                commit(&self.conn)?;
+                log::warn!("quarantined a delivery on topic {topic:?} for scope {scope}: {reason}");
+                Ok(id)
+            }
+            Err(e) => {
+                if !self.conn.is_autocommit() {
+                    let _ = self.conn.execute_batch("ROLLBACK");
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Interned id of `scope`, creating it (in its own small transaction) on first use.
+    pub fn scope_id(&mut self, scope: &str) -> Result<i64> {
+        if let Some(id) = self.scopes.get(scope) {
+            return Ok(*id);
+        }
+        if scope.is_empty() {
+            return Err(crate::InvalidDelivery::EmptyScope.into());
+        }
+        let id = intern_scope(&self.conn, scope, unix_now())?;
+        self.scopes.insert(scope.to_owned(), id);
+        Ok(id)
+    }
+
+    fn run<H: Handler>(
+        &mut self,
+        deliveries: &[Delivery<'_>],
+        handler: &mut H,
+        mut emit: impl FnMut(usize, Outcome),
+    ) -> Result<()> {
+        for d in deliveries {
+            d.validate(&self.config.limits)?;
+            // Interning happens outside the batch transaction: a rollback must not leave a cached id behind.
+            self.scope_id(d.scope)?;
+        }
+        if deliveries.is_empty() {
+            return Ok(());
+        }
+        let now = unix_now();
+        self.counts.clear();
+        begin(&self.conn)?;
+        let applied = self.apply_all(deliveries, handler, now, &mut emit);
+        let result = applied.and_then(|()| flush_counts(&self.conn, &self.counts)).and_then(|()| commit(&self.conn));
+        if result.is_err() && !self.conn.is_autocommit() {
+            // Best effort: if even ROLLBACK fails, SQLite rolls back when the connection closes or the
+            // next BEGIN fails; nothing uncommitted is ever reported as done.
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+        result
+    }
+
+    fn apply_all<H: Handler>(
+        &mut self,
+        deliveries: &[Delivery<'_>],
+        handler: &mut H,
+        now: i64,
+        emit: &mut impl FnMut(usize, Outcome),
+    ) -> Result<()> {
+        let failure = Cell::new(None);
+        for (i, d) in deliveries.iter().enumerate() {
+            let scope_id = self.scopes[d.scope];
+            let outcome = apply_one(&self.conn, d, scope_id, now, handler, &self.buf, &failure)?;
+            let counts = match self.counts.iter_mut().find(|c| c.scope_id == scope_id) {
+                Some(c) => c,
+                None => {
+                    self.counts.push(Counts { scope_id, ..Counts::default() });
+                    self.counts.last_mut().expect("just pushed")
+                }
+            };
+            match outcome {
+                Outcome::Processed => counts.processed += 1,
+                Outcome::Duplicate => counts.duplicates += 1,
+                Outcome::Conflict { .. } => counts.conflicts += 1,
+                Outcome::HandlerFailed(_) => counts.handler_failures += 1,
+            }
+            emit(i, outcome);
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn unix_now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+}
+
+pub(crate) fn begin(conn: &Connection) -> Result<()> {
+    conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
+    Ok(())
+}
+
+pub(crate) fn commit(conn: &Connection) -> Result<()> {
+    conn.prepare_cached("COMMIT")?.execute([]).map(drop).map_err(|e| {
+        let code = extended_code(&e).unwrap_or(-1);
+        log::warn!("COMMIT failed with SQLite code {code}: outcome unknown until the identity is looked up");
+        Error::CommitUnknown { code, source: e }
+    })
+}
+
+fn flush_counts(conn: &Connection, counts: &[Counts]) -> Result<()> {
+    let mut stmt = conn.prepare_cached(
+        "UPDATE scope_stats SET processed = processed + ?2, duplicates = duplicates + ?3, \
+         conflicts = conflicts + ?4, handler_failures = handler_failures + ?5 WHERE scope_id = ?1",
+    )?;
+    for c in counts {
+        stmt.execute((c.scope_id, c.processed, c.duplicates, c.conflicts, c.handler_failures))?;
+    }
+    Ok(())
+}
+
+/// One delivery inside the open transaction, in its own savepoint.
+fn apply_one<H: Handler>(
+    conn: &Connection,
+    d: &Delivery<'_>,
+    scope_id: i64,
+    now: i64,
+    handler: &mut H,
+    buf: &RefCell<Vec<u8>>,
+    failure: &Cell<Option<i32>>,
+) -> Result<Outcome> {
+    let id_hash = d.id_hash();
+    let fingerprint = d.fingerprint();
+    conn.prepare_cached("SAVEPOINT delivery")?.execute([])?;
+    let inserted = conn
+        .prepare_cached("INSERT INTO identities (scope_id, id_hash, fingerprint, at) VALUES (?1, ?2, ?3, ?4)")?
+        .execute((scope_id, &id_hash.0[..], fingerprint.to_sql(), now));
+    match inserted {
+        Ok(_) => {}
+        Err(e) if is_unique_violation(&e) => {
+            let outcome = existing(conn, d, scope_id, &id_hash, fingerprint, now)?;
+            release(conn)?;
+            return Ok(outcome);
+        }
+        Err(e) => return Err(e.into()),
+    }
+
+    failure.set(None);
+    let mut tx = Tx::new(conn, d.scope, scope_id, now, buf, failure);
+    let result = handler(&mut tx, d);
+    if conn.is_autocommit() {
+        return Err(Error::HandlerEndedTransaction);
+    }
+    if let Some(code) = failure.get() {
+        // The handler met storage trouble through the inbox's own API, whatever it returned.
+        return Err(storage_error(code));
+    }
+    match result {
+        Ok(()) => {
+            release(conn)?;
+            Ok(Outcome::Processed)
+        }
+        Err(err) => {
+            if let Some(e) = storage_cause(&err) {
+                return Err(e);
+            }
+            conn.prepare_cached("ROLLBACK TO delivery")?.execute([])?;
+            release(conn)?;
+            log::debug!("handler failed for {}/{}: {err:#}", d.scope, d.message_id);
+            Ok(Outcome::HandlerFailed(err))
+        }
+    }
+}
+
+fn release(conn: &Connection) -> Result<()> {
+    conn.prepare_cached("RELEASE delivery")?.execute([])?;
+    Ok(())
+}
+
+/// The identity exists: a duplicate if the content matches, else a recorded conflict.
+fn existing(
+    conn: &Connection,
+    d: &Delivery<'_>,
+    scope_id: i64,
+    id_hash: &IdHash,
+    received: Fingerprint,
+    now: i64,
+) -> Result<Outcome> {
+    let stored: i64 = conn
+        .prepare_cached("SELECT fingerprint FROM identities WHERE scope_id = ?1 AND id_hash = ?2")?
+        .query_row((scope_id, &id_hash.0[..]), |r| r.get(0))?;
+    let stored = Fingerprint::from_sql(stored);
+    if stored == received {
+        return Ok(Outcome::Duplicate);
+    }
+    conn.prepare_cached(
+        "INSERT INTO conflicts (scope_id, id_hash, producer, message_id, topic, stored_fingerprint, \
+         received_fingerprint, at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    )?
+    .execute((
+        scope_id,
+        &id_hash.0[..],
+        d.producer,
+        d.message_id,
+        d.topic,
+        stored.to_sql(),
+        received.to_sql(),
+        now,
+    ))?;
+    log::warn!(
+        "conflict in scope {}: message id {:?} (producer {:?}) arrived with fingerprint {received}, \
+         committed with {stored}; recorded, not applied",
+        d.scope,
+        d.message_id,
+        d.producer
+    );
+    Ok(Outcome::Conflict { stored, received })
+}
+
+/// The storage error behind a handler's error, if its chain holds one.
+fn storage_cause(err: &anyhow::Error) -> Option<Error> {
+    for cause in err.chain() {
+        if let Some(e) = cause.downcast_ref::<rusqlite::Error>() {
+            if let Some(code) = extended_code(e).filter(|c| is_storage_failure(*c)) {
+                return Some(storage_error(code));
+            }
+        }
+        if let Some(e) = cause.downcast_ref::<Error>() {
+            if let Some(code) = e.sqlite_code().filter(|c| is_storage_failure(*c)) {
+                return Some(storage_error(code));
+            }
+        }
+    }
+    None
+}
+
+fn storage_error(code: i32) -> Error {
+    Error::from(rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), None))
+}
+
+pub(crate) fn intern_scope(conn: &Connection, scope: &str, now: i64) -> Result<i64> {
+    begin(conn)?;
+    let result = (|| -> rusqlite::Result<i64> {
+        conn.execute("INSERT OR IGNORE INTO scopes (name, created_at) VALUES (?1, ?2)", (scope, now))?;
+        let id: i64 = conn.query_row("SELECT id FROM scopes WHERE name = ?1", [scope], |r| r.get(0))?;
+        conn.execute("INSERT OR IGNORE INTO scope_stats (scope_id) VALUES (?1)", [id])?;
+        Ok(id)
+    })();
+    match result {
+        Ok(id) => commit(conn).map(|()| id),
+        Err(e) => {
+            let _ = conn.execute_batch("ROLLBACK");
+            Err(e.into())
+        }
+    }
+}
+
+/// Identity lookup shared by [`Inbox::status`] and read-only tools.
+pub(crate) fn status(conn: &Connection, scope: &str, producer: Option<&str>, message_id: &str) -> Result<Status> {
+    let id_hash = IdHash::of(producer, message_id);
+    let row = conn
+        .prepare_cached(
+            "SELECT i.fingerprint, i.at, m.state FROM identities i JOIN scopes s ON s.id = i.scope_id \
+             LEFT JOIN messages m ON m.scope_id = i.scope_id AND m.id_hash = i.id_hash \
+             WHERE s.name = ?1 AND i.id_hash = ?2",
+        )?
+        .query_row((scope, &id_hash.0[..]), |r| {
+            Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, Option<i64>>(2)?))
+        })
+        .optional()?;
+    Ok(match row {
+        None => Status::NotFound,
+        Some((fp, at, state)) => Status::Recorded {
+            fingerprint: Fingerprint::from_sql(fp),
+            at,
+            state: state.and_then(MessageState::from_sql),
+        },
+    })
+}

@@ -1,0 +1,109 @@
+//! What happened to a delivery, and what may be said to the broker about it.
+
+use crate::identity::Fingerprint;
+
+/// The result of offering one delivery to the inbox, once the transaction that covers it has committed.
+///
+/// Every variant is durable when returned. [`Outcome::may_ack`] says which ones the broker may be told about.
+/// Storage trouble is never an `Outcome`: it is an [`Error`](crate::Error), and the delivery must not be acked.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// New identity: it and the handler's effect were committed together.
+    Processed,
+    /// The identity was already committed with the same fingerprint. The handler did not run.
+    Duplicate,
+    /// The identity was already committed with a *different* fingerprint (same id, other content).
+    /// The conflict was recorded in the `conflicts` table and counted; the handler did not run.
+    Conflict {
+        /// Fingerprint of the content committed first.
+        stored: Fingerprint,
+        /// Fingerprint of the content just received.
+        received: Fingerprint,
+    },
+    /// The handler returned an error: its effect and the identity were rolled back together, so a
+    /// redelivery will run the handler again. Counted durably. Whether to ack or dead-letter is the caller's
+    /// policy.
+    HandlerFailed(anyhow::Error),
+}
+
+impl Outcome {
+    /// True when the delivery may be acknowledged: its fate is durably recorded (processed, recognised as a
+    /// duplicate, or recorded as a conflict). False for a handler failure, which nothing durable covers.
+    pub fn may_ack(&self) -> bool {
+        !matches!(self, Outcome::HandlerFailed(_))
+    }
+
+    /// A short lower-case name: `processed`, `duplicate`, `conflict` or `handler-failed`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Outcome::Processed => "processed",
+            Outcome::Duplicate => "duplicate",
+            Outcome::Conflict { .. } => "conflict",
+            Outcome::HandlerFailed(_) => "handler-failed",
+        }
+    }
+}
+
+/// What the inbox durably knows about one identity; see [`Inbox::status`](crate::Inbox::status).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Status {
+    /// No identity is recorded: the delivery was never committed (or its identity was pruned).
+    NotFound,
+    /// The identity is committed.
+    Recorded {
+        /// Fingerprint of the committed content.
+        fingerprint: Fingerprint,
+        /// Commit time, Unix seconds.
+        at: i64,
+        /// State of the stored message body, when one is kept (received-then-deferred mode).
+        state: Option<MessageState>,
+    },
+}
+
+/// Life-cycle of a stored message body. Received, pending, processed and dead-lettered are distinct: storing a
+/// message does not prove that its intent was carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MessageState {
+    /// Stored and acknowledged; a durable obligation to process it exists.
+    Pending,
+    /// Its effect is committed.
+    Processed,
+    /// A processing attempt failed; waiting for a retry.
+    Failed,
+    /// Gave up after the maximum number of attempts; kept for an operator.
+    DeadLettered,
+}
+
+impl MessageState {
+    pub(crate) fn to_sql(self) -> i64 {
+        match self {
+            MessageState::Pending => 0,
+            MessageState::Processed => 1,
+            MessageState::Failed => 2,
+            MessageState::DeadLettered => 3,
+        }
+    }
+
+    pub(crate) fn from_sql(v: i64) -> Option<MessageState> {
+        Some(match v {
+            0 => MessageState::Pending,
+            1 => MessageState::Processed,
+            2 => MessageState::Failed,
+            3 => MessageState::DeadLettered,
+            _ => return None,
+        })
+    }
+
+    /// A short lower-case name: `pending`, `processed`, `failed` or `dead-lettered`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MessageState::Pending => "pending",
+            MessageState::Processed => "processed",
+            MessageState::Failed => "failed",
+            MessageState::DeadLettered => "dead-lettered",
+        }
+    }
+}

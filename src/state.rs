@@ -1,0 +1,143 @@
+//! The handler's view of the open transaction: built-in key-value state and the raw SQLite connection.
+
+use std::cell::{Cell, RefCell};
+
+use rusqlite::{ffi, Connection, OptionalExtension};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::error::{extended_code, Error, Result};
+
+/// The transaction a handler runs in. Everything written through it (the key-value state, the user's own
+/// tables through [`Tx::sql`], outbox rows) commits or aborts together with the delivery's identity.
+///
+/// Do not run `BEGIN`, `COMMIT`, `ROLLBACK`, `SAVEPOINT` or `RELEASE` yourself: the inbox owns the
+/// transaction, and a handler that ends it fails the whole batch.
+pub struct Tx<'a> {
+    conn: &'a Connection,
+    scope: &'a str,
+    scope_id: i64,
+    now: i64,
+    buf: &'a RefCell<Vec<u8>>,
+    failure: &'a Cell<Option<i32>>,
+}
+
+impl<'a> Tx<'a> {
+    pub(crate) fn new(
+        conn: &'a Connection,
+        scope: &'a str,
+        scope_id: i64,
+        now: i64,
+        buf: &'a RefCell<Vec<u8>>,
+        failure: &'a Cell<Option<i32>>,
+    ) -> Self {
+        Tx { conn, scope, scope_id, now, buf, failure }
+    }
+
+    /// The consumer scope of the delivery being handled; also the default key-value namespace.
+    pub fn scope(&self) -> &str {
+        self.scope
+    }
+
+    /// Interned id of the scope (as stored in the inbox tables).
+    pub fn scope_id(&self) -> i64 {
+        self.scope_id
+    }
+
+    /// Time of this transaction, Unix seconds.
+    pub fn now(&self) -> i64 {
+        self.now
+    }
+
+    /// The SQLite connection, inside the open transaction, for the application's own tables.
+    /// Errors from it that mean storage trouble (busy, full, I/O, read-only) fail the whole batch as an
+    /// [`Error`]; other errors returned by the handler (a constraint of your own, say) are handler failures.
+    pub fn sql(&self) -> &Connection {
+        self.conn
+    }
+
+    /// Reads `key` from the scope's namespace.
+    pub fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>> {
+        self.get_in(self.scope, key)
+    }
+
+    /// Writes `key` in the scope's namespace.
+    pub fn put<T: Serialize + ?Sized>(&self, key: &str, value: &T) -> Result<()> {
+        self.put_in(self.scope, key, value)
+    }
+
+    /// Deletes `key` from the scope's namespace; true if it existed.
+    pub fn delete(&self, key: &str) -> Result<bool> {
+        self.delete_in(self.scope, key)
+    }
+
+    /// Reads `key` from namespace `ns`.
+    pub fn get_in<T: DeserializeOwned>(&self, ns: &str, key: &str) -> Result<Option<T>> {
+        let found = self
+            .track(|| {
+                let mut stmt = self.conn.prepare_cached("SELECT value FROM kv WHERE ns = ?1 AND key = ?2")?;
+                stmt.query_row((ns, key), |row| {
+                    let blob = row.get_ref(0)?.as_blob()?;
+                    Ok(ciborium::from_reader::<T, _>(blob).map_err(|e| e.to_string()))
+                })
+                .optional()
+            })?;
+        match found {
+            None => Ok(None),
+            Some(Ok(v)) => Ok(Some(v)),
+            Some(Err(why)) => Err(Error::Codec(format!("value of {ns}/{key}: {why}"))),
+        }
+    }
+
+    /// Writes `key` in namespace `ns`, replacing any previous value.
+    pub fn put_in<T: Serialize + ?Sized>(&self, ns: &str, key: &str, value: &T) -> Result<()> {
+        let mut buf = self.buf.borrow_mut();
+        buf.clear();
+        ciborium::into_writer(value, &mut *buf).map_err(|e| Error::Codec(format!("{ns}/{key}: {e}")))?;
+        self.track(|| {
+            let mut stmt = self
+                .conn
+                .prepare_cached("INSERT INTO kv (ns, key, value) VALUES (?1, ?2, ?3) ON CONFLICT (ns, key) DO UPDATE SET value = excluded.value")?;
+            stmt.execute((ns, key, &buf[..])).map(drop)
+        })
+    }
+
+    /// Deletes `key` from namespace `ns`; true if it existed.
+    pub fn delete_in(&self, ns: &str, key: &str) -> Result<bool> {
+        self.track(|| {
+            let mut stmt = self.conn.prepare_cached("DELETE FROM kv WHERE ns = ?1 AND key = ?2")?;
+            stmt.execute((ns, key)).map(|n| n > 0)
+        })
+    }
+
+    /// Runs a statement of the inbox's own and remembers storage trouble, so a handler that swallows the
+    /// error cannot commit a half-applied effect.
+    pub(crate) fn track<T>(&self, f: impl FnOnce() -> rusqlite::Result<T>) -> Result<T> {
+        f().map_err(|e| {
+            if let Some(code) = extended_code(&e).filter(|c| is_storage_failure(*c)) {
+                self.failure.set(Some(code));
+            }
+            Error::from(e)
+        })
+    }
+}
+
+/// True for result codes that mean the store itself is in trouble (as opposed to a statement that is wrong
+/// or violates an application constraint). Such an error fails the batch; it is never a handler failure.
+pub(crate) fn is_storage_failure(extended: i32) -> bool {
+    matches!(
+        extended & 0xff,
+        ffi::SQLITE_BUSY
+            | ffi::SQLITE_LOCKED
+            | ffi::SQLITE_NOMEM
+            | ffi::SQLITE_READONLY
+            | ffi::SQLITE_INTERRUPT
+            | ffi::SQLITE_IOERR
+            | ffi::SQLITE_CORRUPT
+            | ffi::SQLITE_FULL
+            | ffi::SQLITE_CANTOPEN
+            | ffi::SQLITE_PROTOCOL
+            | ffi::SQLITE_NOTADB
+            | ffi::SQLITE_NOLFS
+    )
+}

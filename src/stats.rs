@@ -1,0 +1,60 @@
+//! Durable counters, as stored in the database.
+
+use rusqlite::{Connection, OptionalExtension};
+
+use crate::error::Result;
+use crate::inbox::Inbox;
+
+/// Counters of one scope, read from the database: they are updated in the same transactions as the
+/// outcomes they count, so they survive restarts and agree with the committed state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ScopeStats {
+    /// Deliveries whose effect was committed.
+    pub processed: u64,
+    /// Redeliveries recognised as duplicates.
+    pub duplicates: u64,
+    /// Deliveries that reused a committed id with different content.
+    pub conflicts: u64,
+    /// Handler failures (each rolled back).
+    pub handler_failures: u64,
+    /// Deliveries recorded in the quarantine table.
+    pub quarantined: u64,
+    /// Messages moved to the dead letters.
+    pub dead_lettered: u64,
+    /// Identities deleted by retention.
+    pub identities_pruned: u64,
+    /// Payloads deleted by retention.
+    pub payloads_pruned: u64,
+}
+
+impl Inbox {
+    /// The durable counters of `scope` (all zero for a scope never seen).
+    pub fn scope_stats(&self, scope: &str) -> Result<ScopeStats> {
+        scope_stats(&self.conn, scope)
+    }
+}
+
+/// Reads the counters of `scope` from any connection (read-only tools use it too).
+pub(crate) fn scope_stats(conn: &Connection, scope: &str) -> Result<ScopeStats> {
+    let row = conn
+        .prepare_cached(
+            "SELECT processed, duplicates, conflicts, handler_failures, quarantined, dead_lettered, \
+             identities_pruned, payloads_pruned FROM scope_stats st JOIN scopes s ON s.id = st.scope_id \
+             WHERE s.name = ?1",
+        )?
+        .query_row([scope], |r| {
+            Ok(ScopeStats {
+                processed: r.get::<_, i64>(0)? as u64,
+                duplicates: r.get::<_, i64>(1)? as u64,
+                conflicts: r.get::<_, i64>(2)? as u64,
+                handler_failures: r.get::<_, i64>(3)? as u64,
+                quarantined: r.get::<_, i64>(4)? as u64,
+                dead_lettered: r.get::<_, i64>(5)? as u64,
+                identities_pruned: r.get::<_, i64>(6)? as u64,
+                payloads_pruned: r.get::<_, i64>(7)? as u64,
+            })
+        })
+        .optional()?;
+    Ok(row.unwrap_or_default())
+}
