@@ -10,6 +10,7 @@ use crate::error::InvalidDelivery;
 /// The identity is *(scope, producer, message id)*. It comes from the application (an MQTT 5 user property,
 /// an envelope, a field of the payload), never from the MQTT packet id, which the broker reuses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Delivery<'a> {
     /// Logical consumer function, e.g. `inventory-reservation`. Shared by every instance of that consumer;
     /// never a host name. A rebuild uses a new, versioned scope such as `inventory-reservation@2`.
@@ -22,17 +23,34 @@ pub struct Delivery<'a> {
     pub topic: &'a str,
     /// Payload bytes (part of the fingerprint).
     pub payload: &'a [u8],
+    /// Producer's sequence number, when the producer numbers its messages (used by sequence watermarks).
+    pub sequence: Option<u64>,
+    /// When the producer created the message, Unix seconds, if known (used to flag deliveries older than the
+    /// identity horizon).
+    pub sent_at: Option<i64>,
 }
 
 impl<'a> Delivery<'a> {
     /// A delivery without a producer namespace.
     pub fn new(scope: &'a str, message_id: &'a str, topic: &'a str, payload: &'a [u8]) -> Self {
-        Delivery { scope, producer: None, message_id, topic, payload }
+        Delivery { scope, producer: None, message_id, topic, payload, sequence: None, sent_at: None }
     }
 
     /// The same delivery with a producer namespace.
     pub fn with_producer(mut self, producer: &'a str) -> Self {
         self.producer = Some(producer);
+        self
+    }
+
+    /// The same delivery with the producer's sequence number.
+    pub fn with_sequence(mut self, sequence: u64) -> Self {
+        self.sequence = Some(sequence);
+        self
+    }
+
+    /// The same delivery with the producer's creation time (Unix seconds).
+    pub fn with_sent_at(mut self, sent_at: i64) -> Self {
+        self.sent_at = Some(sent_at);
         self
     }
 

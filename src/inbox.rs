@@ -277,20 +277,10 @@ fn apply_one<H: Handler>(
     buf: &RefCell<Vec<u8>>,
     failure: &Cell<Option<i32>>,
 ) -> Result<Outcome> {
-    let id_hash = d.id_hash();
-    let fingerprint = d.fingerprint();
     conn.prepare_cached("SAVEPOINT delivery")?.execute([])?;
-    let inserted = conn
-        .prepare_cached("INSERT INTO identities (scope_id, id_hash, fingerprint, at) VALUES (?1, ?2, ?3, ?4)")?
-        .execute((scope_id, &id_hash.0[..], fingerprint.to_sql(), now));
-    match inserted {
-        Ok(_) => {}
-        Err(e) if is_unique_violation(&e) => {
-            let outcome = existing(conn, d, scope_id, &id_hash, fingerprint, now)?;
-            release(conn)?;
-            return Ok(outcome);
-        }
-        Err(e) => return Err(e.into()),
+    if let Some(outcome) = claim_identity(conn, d, scope_id, now)? {
+        release(conn)?;
+        return Ok(outcome);
     }
 
     failure.set(None);
@@ -317,6 +307,22 @@ fn apply_one<H: Handler>(
             log::debug!("handler failed for {}/{}: {err:#}", d.scope, d.message_id);
             Ok(Outcome::HandlerFailed(err))
         }
+    }
+}
+
+/// Inserts the identity of `d`, inside the caller's open transaction. `None`: the identity is new and now
+/// claimed (it commits or aborts with the caller's transaction). `Some`: it already existed, and the outcome
+/// says whether as a duplicate or a (now recorded) conflict. The primary key decides, never a prior query.
+pub(crate) fn claim_identity(conn: &Connection, d: &Delivery<'_>, scope_id: i64, now: i64) -> Result<Option<Outcome>> {
+    let id_hash = d.id_hash();
+    let fingerprint = d.fingerprint();
+    let inserted = conn
+        .prepare_cached("INSERT INTO identities (scope_id, id_hash, fingerprint, at) VALUES (?1, ?2, ?3, ?4)")?
+        .execute((scope_id, &id_hash.0[..], fingerprint.to_sql(), now));
+    match inserted {
+        Ok(_) => Ok(None),
+        Err(e) if is_unique_violation(&e) => existing(conn, d, scope_id, &id_hash, fingerprint, now).map(Some),
+        Err(e) => Err(e.into()),
     }
 }
 

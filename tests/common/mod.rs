@@ -1,0 +1,50 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// A command that runs this test binary again as a child, through `EDGE_INBOX_TEST_RUNNER` when set
+/// (cross-compiled test binaries run under qemu-user; a child must go through the same emulator).
+pub fn child_command(test_name: &str) -> Command {
+    let exe = std::env::current_exe().expect("test binary path");
+    let runner = std::env::var("EDGE_INBOX_TEST_RUNNER").unwrap_or_default();
+    let mut words = runner.split_whitespace();
+    let mut cmd = match words.next() {
+        Some(first) => {
+            let mut c = Command::new(first);
+            c.args(words).arg(&exe);
+            c
+        }
+        None => Command::new(&exe),
+    };
+    cmd.args([test_name, "--exact", "--nocapture", "--test-threads=1", "--include-ignored"]);
+    cmd
+}
+
+/// Multiplier for loop sizes: heavy tests shrink under emulation by setting `EDGE_INBOX_TEST_SCALE`
+/// below 1.0 (never to zero).
+pub fn scaled(n: usize) -> usize {
+    let scale: f64 = std::env::var("EDGE_INBOX_TEST_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0);
+    ((n as f64 * scale).round() as usize).max(1)
+}
+
+/// Polls `f` until it returns `Some` or `timeout` passes.
+pub fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits for a file to exist, bounded.
+pub fn wait_for_file(path: &Path, timeout: Duration) -> bool {
+    wait_for(timeout, || path.exists().then_some(())).is_some()
+}
