@@ -286,12 +286,15 @@ fn apply_one<H: Handler>(
     failure.set(None);
     let mut tx = Tx::new(conn, d.scope, scope_id, now, buf, failure);
     let result = handler(&mut tx, d);
-    if conn.is_autocommit() {
-        return Err(Error::HandlerEndedTransaction);
-    }
     if let Some(code) = failure.get() {
         // The handler met storage trouble through the inbox's own API, whatever it returned.
         return Err(storage_error(code));
+    }
+    if let Some(e) = result.as_ref().err().and_then(storage_cause) {
+        return Err(e);
+    }
+    if conn.is_autocommit() {
+        return Err(Error::HandlerEndedTransaction);
     }
     match result {
         Ok(()) => {
@@ -299,9 +302,6 @@ fn apply_one<H: Handler>(
             Ok(Outcome::Processed)
         }
         Err(err) => {
-            if let Some(e) = storage_cause(&err) {
-                return Err(e);
-            }
             conn.prepare_cached("ROLLBACK TO delivery")?.execute([])?;
             release(conn)?;
             log::debug!("handler failed for {}/{}: {err:#}", d.scope, d.message_id);

@@ -24,6 +24,20 @@ const _: () = assert!(MIGRATIONS.len() as i64 == SCHEMA_VERSION - 1);
 /// Opens (creating if needed) the inbox database at `path` for reading and writing.
 pub(crate) fn open(path: &Path, config: &Config) -> Result<Connection> {
     create_private(path)?;
+    // Some lock conflicts while a new file is switched to WAL or its schema is created by another
+    // connection return SQLITE_BUSY without consulting the busy handler; retry those within the timeout.
+    let deadline = std::time::Instant::now() + config.busy_timeout;
+    loop {
+        match open_once(path, config) {
+            Err(Error::Busy { .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10))
+            }
+            other => return other,
+        }
+    }
+}
+
+fn open_once(path: &Path, config: &Config) -> Result<Connection> {
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags).map_err(|e| classify_open(e, path))?;
     conn.busy_timeout(config.busy_timeout).map_err(Error::from)?;
