@@ -26,13 +26,19 @@ fn bump(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
 fn counter(inbox: &Inbox, key: &str) -> i64 {
     let conn = inbox.connection();
     let blob: Option<Vec<u8>> = conn
-        .query_row("SELECT value FROM kv WHERE ns = ?1 AND key = ?2", (SCOPE, key), |r| r.get(0))
+        .query_row(
+            "SELECT value FROM kv WHERE ns = ?1 AND key = ?2",
+            (SCOPE, key),
+            |r| r.get(0),
+        )
         .ok();
-    blob.map(|b| ciborium::from_reader(&b[..]).expect("cbor")).unwrap_or(0)
+    blob.map(|b| ciborium::from_reader(&b[..]).expect("cbor"))
+        .unwrap_or(0)
 }
 
 fn identities(conn: &Connection) -> i64 {
-    conn.query_row("SELECT count(*) FROM identities", [], |r| r.get(0)).unwrap()
+    conn.query_row("SELECT count(*) FROM identities", [], |r| r.get(0))
+        .unwrap()
 }
 
 #[test]
@@ -41,16 +47,28 @@ fn processed_then_duplicate_survives_reopen() {
     let d = Delivery::new(SCOPE, "evt-42-created", "orders/42", b"A-1");
     {
         let mut inbox = open(&dir);
-        assert!(matches!(inbox.process(&d, bump).unwrap(), Outcome::Processed));
+        assert!(matches!(
+            inbox.process(&d, bump).unwrap(),
+            Outcome::Processed
+        ));
     }
     // Commit ok, PUBACK lost: the process restarts and the broker redelivers.
     let mut inbox = open(&dir);
-    assert!(matches!(inbox.process(&d, bump).unwrap(), Outcome::Duplicate));
+    assert!(matches!(
+        inbox.process(&d, bump).unwrap(),
+        Outcome::Duplicate
+    ));
     assert_eq!(counter(&inbox, "A-1"), 1);
     let stats = inbox.scope_stats(SCOPE).unwrap();
     assert_eq!((stats.processed, stats.duplicates), (1, 1));
-    assert!(matches!(inbox.status(SCOPE, None, "evt-42-created").unwrap(), Status::Recorded { .. }));
-    assert_eq!(inbox.status(SCOPE, None, "evt-43-created").unwrap(), Status::NotFound);
+    assert!(matches!(
+        inbox.status(SCOPE, None, "evt-42-created").unwrap(),
+        Status::Recorded { .. }
+    ));
+    assert_eq!(
+        inbox.status(SCOPE, None, "evt-43-created").unwrap(),
+        Status::NotFound
+    );
 }
 
 #[test]
@@ -69,10 +87,17 @@ fn handler_failure_rolls_back_identity_and_effect() {
         other => panic!("expected HandlerFailed, got {other:?}"),
     }
     assert_eq!(counter(&inbox, "A-1"), 0, "effect rolled back");
-    assert_eq!(identities(inbox.connection()), 0, "identity rolled back with it");
+    assert_eq!(
+        identities(inbox.connection()),
+        0,
+        "identity rolled back with it"
+    );
     assert_eq!(inbox.scope_stats(SCOPE).unwrap().handler_failures, 1);
     // The redelivery runs the handler again.
-    assert!(matches!(inbox.process(&d, bump).unwrap(), Outcome::Processed));
+    assert!(matches!(
+        inbox.process(&d, bump).unwrap(),
+        Outcome::Processed
+    ));
     assert_eq!(counter(&inbox, "A-1"), 1);
 }
 
@@ -82,7 +107,10 @@ fn conflict_is_recorded_and_not_applied() {
     let mut inbox = open(&dir);
     let first = Delivery::new(SCOPE, "evt-7", "orders/7", b"A-1");
     let other = Delivery::new(SCOPE, "evt-7", "orders/7", b"B-2");
-    assert!(matches!(inbox.process(&first, bump).unwrap(), Outcome::Processed));
+    assert!(matches!(
+        inbox.process(&first, bump).unwrap(),
+        Outcome::Processed
+    ));
     let (stored, received) = match inbox.process(&other, bump).unwrap() {
         Outcome::Conflict { stored, received } => (stored, received),
         o => panic!("expected Conflict, got {o:?}"),
@@ -92,15 +120,25 @@ fn conflict_is_recorded_and_not_applied() {
     assert_eq!(counter(&inbox, "B-2"), 0);
     let row: (String, i64, i64) = inbox
         .connection()
-        .query_row("SELECT message_id, stored_fingerprint, received_fingerprint FROM conflicts", [], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-        })
+        .query_row(
+            "SELECT message_id, stored_fingerprint, received_fingerprint FROM conflicts",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
         .unwrap();
-    assert_eq!(row, ("evt-7".to_string(), stored.0 as i64, received.0 as i64));
+    assert_eq!(
+        row,
+        ("evt-7".to_string(), stored.0 as i64, received.0 as i64)
+    );
     assert_eq!(inbox.scope_stats(SCOPE).unwrap().conflicts, 1);
     // The same topic on a different scope is another consumer: it processes the event too.
     let other_scope = Delivery::new("billing", "evt-7", "orders/7", b"B-2");
-    assert!(matches!(inbox.process(&other_scope, |_: &mut Tx<'_>, _: &Delivery<'_>| Ok(())).unwrap(), Outcome::Processed));
+    assert!(matches!(
+        inbox
+            .process(&other_scope, |_: &mut Tx<'_>, _: &Delivery<'_>| Ok(()))
+            .unwrap(),
+        Outcome::Processed
+    ));
 }
 
 #[test]
@@ -111,9 +149,15 @@ fn producer_namespaces_separate_identities() {
     let b = Delivery::new(SCOPE, "1", "t", b"A-1").with_producer("plc-b");
     let none = Delivery::new(SCOPE, "1", "t", b"A-1");
     for d in [&a, &b, &none] {
-        assert!(matches!(inbox.process(d, bump).unwrap(), Outcome::Processed));
+        assert!(matches!(
+            inbox.process(d, bump).unwrap(),
+            Outcome::Processed
+        ));
     }
-    assert!(matches!(inbox.process(&a, bump).unwrap(), Outcome::Duplicate));
+    assert!(matches!(
+        inbox.process(&a, bump).unwrap(),
+        Outcome::Duplicate
+    ));
     assert_eq!(counter(&inbox, "A-1"), 3);
 }
 
@@ -137,12 +181,28 @@ fn batch_isolates_a_failing_handler_and_keeps_order() {
     };
     let outcomes = inbox.process_batch(&ds, handler).unwrap();
     let names: Vec<_> = outcomes.iter().map(Outcome::name).collect();
-    assert_eq!(names, ["processed", "handler-failed", "processed", "duplicate", "conflict"]);
+    assert_eq!(
+        names,
+        [
+            "processed",
+            "handler-failed",
+            "processed",
+            "duplicate",
+            "conflict"
+        ]
+    );
     assert_eq!(counter(&inbox, "A-1"), 2);
-    assert_eq!(counter(&inbox, "POISON"), 0, "only the failing delivery was rolled back");
+    assert_eq!(
+        counter(&inbox, "POISON"),
+        0,
+        "only the failing delivery was rolled back"
+    );
     assert_eq!(identities(inbox.connection()), 2);
     let s = inbox.scope_stats(SCOPE).unwrap();
-    assert_eq!((s.processed, s.duplicates, s.conflicts, s.handler_failures), (2, 1, 1, 1));
+    assert_eq!(
+        (s.processed, s.duplicates, s.conflicts, s.handler_failures),
+        (2, 1, 1, 1)
+    );
 }
 
 #[test]
@@ -153,7 +213,10 @@ fn invalid_delivery_is_refused_before_writing() {
     for (d, what) in [
         (Delivery::new(SCOPE, "", "t", b""), "message id is empty"),
         (Delivery::new("", "e", "t", b""), "consumer scope is empty"),
-        (Delivery::new(SCOPE, &long, "t", b""), "message id is 300 bytes, over the limit of 256"),
+        (
+            Delivery::new(SCOPE, &long, "t", b""),
+            "message id is 300 bytes, over the limit of 256",
+        ),
     ] {
         match inbox.process(&d, bump) {
             Err(Error::InvalidDelivery(why)) => assert_eq!(why.to_string(), what),
@@ -161,8 +224,14 @@ fn invalid_delivery_is_refused_before_writing() {
         }
     }
     // A batch with one invalid delivery writes nothing at all.
-    let ds = [Delivery::new(SCOPE, "ok", "t", b"A-1"), Delivery::new(SCOPE, "", "t", b"A-1")];
-    assert!(matches!(inbox.process_batch(&ds, bump), Err(Error::InvalidDelivery(_))));
+    let ds = [
+        Delivery::new(SCOPE, "ok", "t", b"A-1"),
+        Delivery::new(SCOPE, "", "t", b"A-1"),
+    ];
+    assert!(matches!(
+        inbox.process_batch(&ds, bump),
+        Err(Error::InvalidDelivery(_))
+    ));
     assert_eq!(identities(inbox.connection()), 0);
 }
 
@@ -170,9 +239,20 @@ fn invalid_delivery_is_refused_before_writing() {
 fn disk_full_is_a_storage_error_and_recovers() {
     let dir = tempfile::tempdir().unwrap();
     let mut inbox = open(&dir);
-    assert!(matches!(inbox.process(&Delivery::new(SCOPE, "warm", "t", b"A-1"), bump).unwrap(), Outcome::Processed));
-    let pages: i64 = inbox.connection().query_row("PRAGMA page_count", [], |r| r.get(0)).unwrap();
-    inbox.connection().query_row(&format!("PRAGMA max_page_count = {pages}"), [], |_| Ok(())).unwrap();
+    assert!(matches!(
+        inbox
+            .process(&Delivery::new(SCOPE, "warm", "t", b"A-1"), bump)
+            .unwrap(),
+        Outcome::Processed
+    ));
+    let pages: i64 = inbox
+        .connection()
+        .query_row("PRAGMA page_count", [], |r| r.get(0))
+        .unwrap();
+    inbox
+        .connection()
+        .query_row(&format!("PRAGMA max_page_count = {pages}"), [], |_| Ok(()))
+        .unwrap();
 
     // A handler whose write needs new pages.
     let big = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
@@ -191,13 +271,26 @@ fn disk_full_is_a_storage_error_and_recovers() {
         let _ = tx.put("blob", &vec![7u8; 64 * 1024]);
         Ok(())
     };
-    assert!(matches!(inbox.process(&d, swallowing), Err(Error::DiskFull)));
-    assert_eq!(inbox.status(SCOPE, None, "evt-full").unwrap(), Status::NotFound, "no identity without its effect");
+    assert!(matches!(
+        inbox.process(&d, swallowing),
+        Err(Error::DiskFull)
+    ));
+    assert_eq!(
+        inbox.status(SCOPE, None, "evt-full").unwrap(),
+        Status::NotFound,
+        "no identity without its effect"
+    );
     assert_eq!(counter(&inbox, "A-1"), 1, "nothing half-applied");
 
     // The cause goes away; the redelivery is processed (not a duplicate).
-    inbox.connection().query_row("PRAGMA max_page_count = 1000000", [], |_| Ok(())).unwrap();
-    assert!(matches!(inbox.process(&d, big).unwrap(), Outcome::Processed));
+    inbox
+        .connection()
+        .query_row("PRAGMA max_page_count = 1000000", [], |_| Ok(()))
+        .unwrap();
+    assert!(matches!(
+        inbox.process(&d, big).unwrap(),
+        Outcome::Processed
+    ));
     assert_eq!(counter(&inbox, "A-1"), 2);
 }
 
@@ -207,22 +300,38 @@ fn read_only_connection_is_an_error_not_a_duplicate() {
     let mut inbox = open(&dir);
     let d = Delivery::new(SCOPE, "e", "t", b"A-1");
     inbox.scope_id(SCOPE).unwrap();
-    inbox.connection().execute_batch("PRAGMA query_only = ON").unwrap();
+    inbox
+        .connection()
+        .execute_batch("PRAGMA query_only = ON")
+        .unwrap();
     match inbox.process(&d, bump) {
         Err(Error::ReadOnly { code }) => assert_eq!(code & 0xff, 8),
         other => panic!("expected ReadOnly, got {other:?}"),
     }
-    inbox.connection().execute_batch("PRAGMA query_only = OFF").unwrap();
-    assert!(matches!(inbox.process(&d, bump).unwrap(), Outcome::Processed));
+    inbox
+        .connection()
+        .execute_batch("PRAGMA query_only = OFF")
+        .unwrap();
+    assert!(matches!(
+        inbox.process(&d, bump).unwrap(),
+        Outcome::Processed
+    ));
 }
 
 #[test]
 fn busy_database_is_an_error_not_a_duplicate() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
-    let mut inbox = Inbox::open(&path, Config::default().busy_timeout(Duration::from_millis(100))).unwrap();
+    let mut inbox = Inbox::open(
+        &path,
+        Config::default().busy_timeout(Duration::from_millis(100)),
+    )
+    .unwrap();
     let d = Delivery::new(SCOPE, "e", "t", b"A-1");
-    assert!(matches!(inbox.process(&d, bump).unwrap(), Outcome::Processed));
+    assert!(matches!(
+        inbox.process(&d, bump).unwrap(),
+        Outcome::Processed
+    ));
 
     let other = Connection::open(&path).unwrap();
     other.execute_batch("BEGIN IMMEDIATE").unwrap();
@@ -233,7 +342,12 @@ fn busy_database_is_an_error_not_a_duplicate() {
         }
     }
     other.execute_batch("ROLLBACK").unwrap();
-    assert!(matches!(inbox.process(&Delivery::new(SCOPE, "e2", "t", b"A-1"), bump).unwrap(), Outcome::Processed));
+    assert!(matches!(
+        inbox
+            .process(&Delivery::new(SCOPE, "e2", "t", b"A-1"), bump)
+            .unwrap(),
+        Outcome::Processed
+    ));
     assert_eq!(counter(&inbox, "A-1"), 2);
 }
 
@@ -242,19 +356,31 @@ fn handler_storage_error_through_sql_fails_the_batch() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
     let mut inbox = Inbox::open(&path, Config::default()).unwrap();
-    inbox.connection().execute_batch("CREATE TABLE stock (sku TEXT PRIMARY KEY, qty INTEGER CHECK (qty >= 0))").unwrap();
+    inbox
+        .connection()
+        .execute_batch("CREATE TABLE stock (sku TEXT PRIMARY KEY, qty INTEGER CHECK (qty >= 0))")
+        .unwrap();
     // An application constraint is the handler's business: HandlerFailed, rolled back.
     let sell = |tx: &mut Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> {
-        tx.sql().execute("INSERT INTO stock VALUES ('A-1', -1)", [])?;
+        tx.sql()
+            .execute("INSERT INTO stock VALUES ('A-1', -1)", [])?;
         Ok(())
     };
-    assert!(matches!(inbox.process(&Delivery::new(SCOPE, "s1", "t", b""), sell).unwrap(), Outcome::HandlerFailed(_)));
+    assert!(matches!(
+        inbox
+            .process(&Delivery::new(SCOPE, "s1", "t", b""), sell)
+            .unwrap(),
+        Outcome::HandlerFailed(_)
+    ));
     // A handler that ends the inbox's transaction fails the call.
     let rogue = |tx: &mut Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> {
         tx.sql().execute_batch("ROLLBACK")?;
         Ok(())
     };
-    assert!(matches!(inbox.process(&Delivery::new(SCOPE, "s2", "t", b""), rogue), Err(Error::HandlerEndedTransaction)));
+    assert!(matches!(
+        inbox.process(&Delivery::new(SCOPE, "s2", "t", b""), rogue),
+        Err(Error::HandlerEndedTransaction)
+    ));
     assert_eq!(identities(inbox.connection()), 0);
 }
 
@@ -262,7 +388,10 @@ fn handler_storage_error_through_sql_fails_the_batch() {
 fn two_threads_racing_give_one_effect() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
-    Inbox::open(&path, Config::default()).unwrap().scope_id(SCOPE).unwrap();
+    Inbox::open(&path, Config::default())
+        .unwrap()
+        .scope_id(SCOPE)
+        .unwrap();
     let rounds = common::scaled(40);
     let threads = 4;
     let barrier = Arc::new(Barrier::new(threads));
@@ -270,12 +399,19 @@ fn two_threads_racing_give_one_effect() {
         .map(|_| {
             let (path, barrier) = (path.clone(), barrier.clone());
             std::thread::spawn(move || {
-                let mut inbox = Inbox::open(&path, Config::default().busy_timeout(Duration::from_secs(30))).unwrap();
+                let mut inbox = Inbox::open(
+                    &path,
+                    Config::default().busy_timeout(Duration::from_secs(30)),
+                )
+                .unwrap();
                 let mut processed = 0;
                 for i in 0..rounds {
                     let id = format!("race-{i}");
                     barrier.wait();
-                    match inbox.process(&Delivery::new(SCOPE, &id, "t", b"A-1"), bump).unwrap() {
+                    match inbox
+                        .process(&Delivery::new(SCOPE, &id, "t", b"A-1"), bump)
+                        .unwrap()
+                    {
                         Outcome::Processed => processed += 1,
                         Outcome::Duplicate => {}
                         o => panic!("unexpected {o:?}"),
@@ -286,26 +422,44 @@ fn two_threads_racing_give_one_effect() {
         })
         .collect();
     let processed: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
-    assert_eq!(processed, rounds, "exactly one thread processed each delivery");
+    assert_eq!(
+        processed, rounds,
+        "exactly one thread processed each delivery"
+    );
     let inbox = open(&dir);
     assert_eq!(counter(&inbox, "A-1"), rounds as i64);
     let s = inbox.scope_stats(SCOPE).unwrap();
-    assert_eq!((s.processed, s.duplicates), (rounds as u64, (rounds * (threads - 1)) as u64));
+    assert_eq!(
+        (s.processed, s.duplicates),
+        (rounds as u64, (rounds * (threads - 1)) as u64)
+    );
 }
 
 /// Child side of the two-process race: processes the same ids as its siblings, prints its Processed count.
 #[test]
 #[ignore = "run as a child process by two_processes_racing_give_one_effect"]
 fn child_racer() {
-    let Ok(path) = std::env::var("EDGE_INBOX_CHILD_DB") else { return };
-    let n: usize = std::env::var("EDGE_INBOX_CHILD_N").unwrap().parse().unwrap();
+    let Ok(path) = std::env::var("EDGE_INBOX_CHILD_DB") else {
+        return;
+    };
+    let n: usize = std::env::var("EDGE_INBOX_CHILD_N")
+        .unwrap()
+        .parse()
+        .unwrap();
     let start = std::path::PathBuf::from(std::env::var("EDGE_INBOX_CHILD_GO").unwrap());
     assert!(common::wait_for_file(&start, Duration::from_secs(60)));
-    let mut inbox = Inbox::open(&path, Config::default().busy_timeout(Duration::from_secs(60))).unwrap();
+    let mut inbox = Inbox::open(
+        &path,
+        Config::default().busy_timeout(Duration::from_secs(60)),
+    )
+    .unwrap();
     let mut processed = 0;
     for i in 0..n {
         let id = format!("p-{i}");
-        if let Outcome::Processed = inbox.process(&Delivery::new(SCOPE, &id, "t", b"A-1"), bump).unwrap() {
+        if let Outcome::Processed = inbox
+            .process(&Delivery::new(SCOPE, &id, "t", b"A-1"), bump)
+            .unwrap()
+        {
             processed += 1;
         }
     }
@@ -316,7 +470,10 @@ fn child_racer() {
 fn two_processes_racing_give_one_effect() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
-    Inbox::open(&path, Config::default()).unwrap().scope_id(SCOPE).unwrap();
+    Inbox::open(&path, Config::default())
+        .unwrap()
+        .scope_id(SCOPE)
+        .unwrap();
     let go = dir.path().join("go");
     let n = common::scaled(150);
     let children: Vec<_> = (0..2)
@@ -336,7 +493,10 @@ fn two_processes_racing_give_one_effect() {
         let out = child.wait_with_output().unwrap();
         assert!(out.status.success(), "child failed: {out:?}");
         let text = String::from_utf8_lossy(&out.stdout);
-        let line = text.lines().find_map(|l| l.split("PROCESSED=").nth(1)).expect("child report");
+        let line = text
+            .lines()
+            .find_map(|l| l.split("PROCESSED=").nth(1))
+            .expect("child report");
         total += line.trim().parse::<usize>().unwrap();
     }
     assert_eq!(total, n, "each delivery processed by exactly one process");
@@ -348,7 +508,9 @@ fn two_processes_racing_give_one_effect() {
 #[test]
 #[ignore = "run as a child process by kill_mid_batch_leaves_no_partial_state"]
 fn child_batcher() {
-    let Ok(path) = std::env::var("EDGE_INBOX_CHILD_DB") else { return };
+    let Ok(path) = std::env::var("EDGE_INBOX_CHILD_DB") else {
+        return;
+    };
     let ready = std::path::PathBuf::from(std::env::var("EDGE_INBOX_CHILD_READY").unwrap());
     let mut inbox = Inbox::open(&path, Config::default()).unwrap();
     let slow = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
@@ -358,7 +520,10 @@ fn child_batcher() {
     };
     for round in 0..100_000 {
         let ids: Vec<String> = (0..64).map(|i| format!("r{round}-b{i}")).collect();
-        let ds: Vec<_> = ids.iter().map(|id| Delivery::new(SCOPE, id, "t", b"A-1")).collect();
+        let ds: Vec<_> = ids
+            .iter()
+            .map(|id| Delivery::new(SCOPE, id, "t", b"A-1"))
+            .collect();
         inbox.process_batch(&ds, slow).unwrap();
         if round == 0 {
             std::fs::write(&ready, b"").unwrap();
@@ -379,7 +544,10 @@ fn kill_mid_batch_leaves_no_partial_state() {
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        assert!(common::wait_for_file(&ready, Duration::from_secs(120)), "child never committed a batch");
+        assert!(
+            common::wait_for_file(&ready, Duration::from_secs(120)),
+            "child never committed a batch"
+        );
         // Kill -9 at a varying moment: most of the time a batch transaction is open.
         std::thread::sleep(Duration::from_millis(10 + (attempt as u64 * 37) % 150));
         child.kill().unwrap();
@@ -387,13 +555,31 @@ fn kill_mid_batch_leaves_no_partial_state() {
 
         let mut inbox = open(&dir);
         let ids = identities(inbox.connection());
-        assert!(ids >= 64, "attempt {attempt}: the first batch was committed");
-        assert_eq!(ids % 64, 0, "attempt {attempt}: every batch is all or nothing, found {ids} identities");
-        assert_eq!(counter(&inbox, "A-1"), ids, "attempt {attempt}: identities and effects agree");
-        assert_eq!(inbox.scope_stats(SCOPE).unwrap().processed, ids as u64, "attempt {attempt}: counters agree");
+        assert!(
+            ids >= 64,
+            "attempt {attempt}: the first batch was committed"
+        );
+        assert_eq!(
+            ids % 64,
+            0,
+            "attempt {attempt}: every batch is all or nothing, found {ids} identities"
+        );
+        assert_eq!(
+            counter(&inbox, "A-1"),
+            ids,
+            "attempt {attempt}: identities and effects agree"
+        );
+        assert_eq!(
+            inbox.scope_stats(SCOPE).unwrap().processed,
+            ids as u64,
+            "attempt {attempt}: counters agree"
+        );
         // Redelivering the first batch changes nothing.
         let first: Vec<String> = (0..64).map(|i| format!("r0-b{i}")).collect();
-        let first: Vec<_> = first.iter().map(|id| Delivery::new(SCOPE, id, "t", b"A-1")).collect();
+        let first: Vec<_> = first
+            .iter()
+            .map(|id| Delivery::new(SCOPE, id, "t", b"A-1"))
+            .collect();
         let outcomes = inbox.process_batch(&first, bump).unwrap();
         assert!(outcomes.iter().all(|o| matches!(o, Outcome::Duplicate)));
         assert_eq!(counter(&inbox, "A-1"), ids);
@@ -412,17 +598,28 @@ fn open_reports_clear_errors() {
     }
     // Written by a newer version.
     let newer = dir.path().join("newer.db");
-    Connection::open(&newer).unwrap().execute_batch("PRAGMA user_version = 99").unwrap();
+    Connection::open(&newer)
+        .unwrap()
+        .execute_batch("PRAGMA user_version = 99")
+        .unwrap();
     match Inbox::open(&newer, Config::default()) {
-        Err(Error::SchemaTooNew { found: 99, supported }) => assert_eq!(supported, edge_inbox::SCHEMA_VERSION),
+        Err(Error::SchemaTooNew {
+            found: 99,
+            supported,
+        }) => assert_eq!(supported, edge_inbox::SCHEMA_VERSION),
         other => panic!("expected SchemaTooNew, got {other:?}"),
     }
     // A location that cannot be written (a directory that does not exist, and a read-only file system).
     let missing = dir.path().join("no/such/dir/inbox.db");
-    assert!(matches!(Inbox::open(&missing, Config::default()), Err(Error::Open { .. })));
+    assert!(matches!(
+        Inbox::open(&missing, Config::default()),
+        Err(Error::Open { .. })
+    ));
     let ro = std::path::Path::new("/proc/edge-inbox-test.db");
     match Inbox::open(ro, Config::default()) {
-        Err(e @ Error::Open { .. }) => assert!(e.to_string().contains("/proc/edge-inbox-test.db"), "{e}"),
+        Err(e @ Error::Open { .. }) => {
+            assert!(e.to_string().contains("/proc/edge-inbox-test.db"), "{e}")
+        }
         other => panic!("expected Open error, got {other:?}"),
     }
 }
@@ -433,17 +630,39 @@ fn settings_are_applied_and_file_is_private() {
     let dir = tempfile::tempdir().unwrap();
     let inbox = open(&dir);
     let conn = inbox.connection();
-    let mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
-    let sync: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
-    let vacuum: i64 = conn.query_row("PRAGMA auto_vacuum", [], |r| r.get(0)).unwrap();
-    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
-    assert_eq!((mode.as_str(), sync, vacuum, version), ("wal", 2, 2, edge_inbox::SCHEMA_VERSION));
-    let perm = std::fs::metadata(inbox.path()).unwrap().permissions().mode() & 0o777;
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .unwrap();
+    let sync: i64 = conn
+        .query_row("PRAGMA synchronous", [], |r| r.get(0))
+        .unwrap();
+    let vacuum: i64 = conn
+        .query_row("PRAGMA auto_vacuum", [], |r| r.get(0))
+        .unwrap();
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(
+        (mode.as_str(), sync, vacuum, version),
+        ("wal", 2, 2, edge_inbox::SCHEMA_VERSION)
+    );
+    let perm = std::fs::metadata(inbox.path())
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
     assert_eq!(perm, 0o600);
     drop(inbox);
 
-    let normal = Inbox::open(dir.path().join("inbox.db"), Config::default().synchronous(Synchronous::Normal)).unwrap();
-    let sync: i64 = normal.connection().query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
+    let normal = Inbox::open(
+        dir.path().join("inbox.db"),
+        Config::default().synchronous(Synchronous::Normal),
+    )
+    .unwrap();
+    let sync: i64 = normal
+        .connection()
+        .query_row("PRAGMA synchronous", [], |r| r.get(0))
+        .unwrap();
     assert_eq!(sync, 1);
 }
 
@@ -451,16 +670,22 @@ fn settings_are_applied_and_file_is_private() {
 fn concurrent_opens_of_a_new_file_agree() {
     // Opening a new file from several threads at once must not race the schema creation.
     for _ in 0..common::scaled(25) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("inbox.db");
-    let handles: Vec<_> = (0..4)
-        .map(|_| {
-            let path = path.clone();
-            std::thread::spawn(move || Inbox::open(&path, Config::default().busy_timeout(Duration::from_secs(30))).map(|_| ()))
-        })
-        .collect();
-    for h in handles {
-        h.join().unwrap().unwrap();
-    }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("inbox.db");
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let path = path.clone();
+                std::thread::spawn(move || {
+                    Inbox::open(
+                        &path,
+                        Config::default().busy_timeout(Duration::from_secs(30)),
+                    )
+                    .map(|_| ())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap().unwrap();
+        }
     }
 }
