@@ -49,15 +49,7 @@ fn open_once(path: &Path, config: &Config) -> Result<Connection> {
     // Room for the core's statements plus a handler's own cached ones, so neither evicts the other.
     conn.set_prepared_statement_cache_capacity(64);
 
-    let version: i64 = conn
-        .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .map_err(|e| classify_open(e, path))?;
-    if version > SCHEMA_VERSION {
-        return Err(Error::SchemaTooNew {
-            found: version,
-            supported: SCHEMA_VERSION,
-        });
-    }
+    let version = known_version(&conn, path)?;
     if version == 0 {
         // Must precede the first table: auto_vacuum can only be chosen on an empty database.
         conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL")
@@ -81,6 +73,18 @@ pub fn open_read_only(path: &Path) -> Result<Connection> {
     }
     let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags).map_err(|e| classify_open(e, path))?;
+    let version = known_version(&conn, path)?;
+    if version == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{} holds no edge-inbox schema",
+            path.display()
+        )));
+    }
+    Ok(conn)
+}
+
+/// `PRAGMA user_version`, refusing a file that is not a database or was written by a newer version.
+fn known_version(conn: &Connection, path: &Path) -> Result<i64> {
     let version: i64 = conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .map_err(|e| classify_open(e, path))?;
@@ -90,13 +94,7 @@ pub fn open_read_only(path: &Path) -> Result<Connection> {
             supported: SCHEMA_VERSION,
         });
     }
-    if version == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "{} holds no edge-inbox schema",
-            path.display()
-        )));
-    }
-    Ok(conn)
+    Ok(version)
 }
 
 /// Creates the file with mode 0600 before SQLite sees it: SQLite would use the umask, and the WAL and
