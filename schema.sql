@@ -72,7 +72,13 @@ CREATE TABLE quarantine (
 
 -- Message bodies: pending work of the received-then-deferred mode, and optionally the payloads of processed
 -- deliveries. state: 0 pending, 1 processed, 2 failed (waiting for a retry), 3 dead-lettered.
--- payload becomes NULL when pruned; the identity row stays.
+-- A row in state 0 or 2 is an acknowledged obligation: retention must never delete it (nor its identity).
+-- payload becomes NULL when pruned (state 1 only); the identity row stays.
+-- not_before and lease_until are Unix *milliseconds*: leases and backoff need sub-second precision.
+-- A claim sets lease_owner, lease_until and bumps claims; claims doubles as the token of that one claim, so a
+-- worker whose lease expired and was taken over cannot commit (see src/worker.rs).
+-- attempts counts handler failures only (storage errors and crashes do not consume attempts).
+-- order_key, when set, serialises the messages sharing it in seq (arrival) order.
 CREATE TABLE messages (
     seq          INTEGER PRIMARY KEY,
     scope_id     INTEGER NOT NULL,
@@ -81,9 +87,12 @@ CREATE TABLE messages (
     message_id   TEXT    NOT NULL,
     topic        TEXT    NOT NULL,
     payload      BLOB,
+    sequence     INTEGER,
+    sent_at      INTEGER,
     order_key    TEXT,
     state        INTEGER NOT NULL CHECK (state IN (0, 1, 2, 3)),
     attempts     INTEGER NOT NULL DEFAULT 0,
+    claims       INTEGER NOT NULL DEFAULT 0,
     not_before   INTEGER NOT NULL DEFAULT 0,
     lease_owner  TEXT,
     lease_until  INTEGER,
@@ -93,6 +102,10 @@ CREATE TABLE messages (
     UNIQUE (scope_id, id_hash)
 );
 CREATE INDEX messages_by_state ON messages (scope_id, state, not_before, seq);
+-- Claims scan the open (pending or failed) rows in arrival order; partial, so processed rows cost nothing here.
+CREATE INDEX messages_open ON messages (scope_id, seq) WHERE state IN (0, 2);
+-- Per-key ordering: "is an earlier message with this key still open?"
+CREATE INDEX messages_open_by_key ON messages (scope_id, order_key, seq) WHERE state IN (0, 2) AND order_key IS NOT NULL;
 
 -- Messages a handler asked to publish, written in the same commit as its effect.
 -- state: 0 pending, 1 sent (PUBACK received).

@@ -263,6 +263,8 @@ impl Inbox {
                 Outcome::Duplicate => counts.duplicates += 1,
                 Outcome::Conflict { .. } => counts.conflicts += 1,
                 Outcome::HandlerFailed(_) => counts.handler_failures += 1,
+                // Only the receive path yields it; the strong case never does.
+                Outcome::Received => {}
             }
             emit(i, outcome);
         }
@@ -375,7 +377,7 @@ pub(crate) fn claim_identity(
     }
 }
 
-fn release(conn: &Connection) -> Result<()> {
+pub(crate) fn release(conn: &Connection) -> Result<()> {
     conn.prepare_cached("RELEASE delivery")?.execute([])?;
     Ok(())
 }
@@ -421,7 +423,7 @@ fn existing(
 }
 
 /// The storage error behind a handler's error, if its chain holds one.
-fn storage_cause(err: &anyhow::Error) -> Option<Error> {
+pub(crate) fn storage_cause(err: &anyhow::Error) -> Option<Error> {
     for cause in err.chain() {
         if let Some(e) = cause.downcast_ref::<rusqlite::Error>() {
             if let Some(code) = extended_code(e).filter(|c| is_storage_failure(*c)) {
@@ -437,7 +439,7 @@ fn storage_cause(err: &anyhow::Error) -> Option<Error> {
     None
 }
 
-fn storage_error(code: i32) -> Error {
+pub(crate) fn storage_error(code: i32) -> Error {
     Error::from(rusqlite::Error::SqliteFailure(
         rusqlite::ffi::Error::new(code),
         None,

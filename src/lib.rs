@@ -104,6 +104,54 @@
 //! succeeds (it was not committed) or reports a duplicate (it was). [`Inbox::status`] answers the same
 //! question directly.
 //!
+//! ## Received-then-deferred mode
+//!
+//! When the effect is slow, or must wait for something, store first and apply later:
+//! [`Inbox::receive`] inserts the identity and a *pending* `messages` row with the payload in one durable
+//! transaction and returns [`Outcome::Received`]. Only then ack: the obligation has moved from the broker to
+//! the local store. A redelivery is a [`Outcome::Duplicate`] (ack it), the same id with other content a
+//! [`Outcome::Conflict`]. [`Inbox::receive_batch_into`] stores many in one commit.
+//!
+//! A [`Worker`] (plain synchronous code: one per thread or per process, any number on one file) drains a scope:
+//!
+//! 1. **claim**: one `UPDATE ... RETURNING` under `BEGIN IMMEDIATE` leases up to
+//!    [`WorkerConfig::batch`] open messages to the worker until `now + lease`, with a fresh claim token;
+//! 2. **apply**: one strong-case transaction for the batch; per message, a savepoint that marks it processed
+//!    *only if* it is still leased to this claim and the lease has not expired, then runs your [`Handler`] on
+//!    the stored [`Delivery`]. Effect and state change commit together; a worker whose lease was lost or taken
+//!    over commits nothing for that message ([`Completion::LeaseLost`]);
+//! 3. **fail**: a handler error rolls back its effect and schedules a retry with exponential backoff
+//!    ([`WorkerConfig::backoff`]); after [`WorkerConfig::max_attempts`] failures the message is dead-lettered
+//!    with the last error text. [`Inbox::requeue_dead_letters`] / [`Inbox::requeue_dead_letter`] put dead
+//!    letters back to work. Storage errors are not handler failures and consume no attempt.
+//!
+//! A worker killed at any point leaves either nothing (the apply transaction did not commit) or a lease that
+//! expires and is claimed again: every pending message is applied exactly once in effect.
+//!
+//! The states are distinct and durable: `pending` (0), `processed` (1), `failed` awaiting a retry (2),
+//! `dead-lettered` (3) ([`MessageState`], also reported by [`Inbox::status`]).
+//!
+//! **Ordering.** By default messages are unordered: workers take the oldest claimable ones, and with several
+//! workers or retries a later message may be applied before an earlier one. [`Inbox::receive_ordered`] gives a
+//! message an *order key* (the topic, an order id, ...): a message is not claimed while an earlier message with
+//! the same key is pending or failed, so each key is applied strictly in arrival order, one at a time, while
+//! different keys proceed in parallel. A dead-lettered message stops blocking its key (the next one proceeds);
+//! requeued, it runs again before later open messages of its key.
+//!
+//! **Backlog.** [`Inbox::backlog`] returns pending count, age of the oldest unprocessed message, in-flight
+//! leases, failures awaiting retry and dead letters in one call; [`Inbox::warn_if_backlogged`] logs a warning
+//! beyond a [`BacklogThreshold`].
+//!
+//! **Retention.** An acknowledged message that is not processed yet is an obligation: it is never deleted or
+//! forgotten. Pruning must skip `messages` rows in states pending (0) and failed (2) and their identities;
+//! dead letters (3) are kept for an operator. Only processed rows (1) may lose their payload.
+//!
+//! **Leases and clocks.** Leases and backoff use the wall clock in milliseconds. All workers on one file share
+//! that clock; a clock step forward expires leases early (work may be redone and refused at commit, never
+//! applied twice), a step backward delays reclaiming a dead worker's messages. Pick a lease comfortably longer
+//! than one batch takes. A message whose handler kills the process is claimed again after each lease expiry
+//! without consuming attempts (attempts count handler errors only); the `claims` column shows such loops.
+//!
 //! ## Several consumers on one gateway
 //!
 //! Each thread or process opens its own [`Inbox`] on the same file. SQLite admits one writer at a time; the
@@ -112,23 +160,30 @@
 #![deny(missing_docs)]
 #![warn(rust_2018_idioms)]
 
+mod backlog;
 mod config;
+mod deferred;
 mod error;
 mod identity;
 mod inbox;
 mod outcome;
+mod requeue;
 mod schema;
 mod state;
 mod stats;
+mod worker;
 
+pub use crate::backlog::{Backlog, BacklogThreshold};
 pub use crate::config::{Config, Limits, Synchronous};
 pub use crate::error::{Error, InvalidDelivery, Result};
 pub use crate::identity::{Delivery, Fingerprint, IdHash};
 pub use crate::inbox::{Handler, Inbox};
 pub use crate::outcome::{MessageState, Outcome, Status};
+pub use crate::requeue::DeadLetter;
 pub use crate::schema::{open_read_only, SCHEMA_VERSION};
 pub use crate::state::Tx;
 pub use crate::stats::ScopeStats;
+pub use crate::worker::{Claim, Completion, Drained, Worker, WorkerConfig};
 
 /// The rusqlite version this crate is built against, for handlers that use [`Tx::sql`].
 pub use rusqlite;

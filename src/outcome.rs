@@ -25,6 +25,10 @@ pub enum Outcome {
     /// redelivery will run the handler again. Counted durably. Whether to ack or dead-letter is the caller's
     /// policy.
     HandlerFailed(anyhow::Error),
+    /// Received-then-deferred mode ([`Inbox::receive`](crate::Inbox::receive)): new identity, stored with
+    /// its payload as a *pending* message. Nothing has been applied yet, but a durable obligation to process
+    /// it exists, so it may be acked; a worker applies it later.
+    Received,
 }
 
 impl Outcome {
@@ -34,13 +38,14 @@ impl Outcome {
         !matches!(self, Outcome::HandlerFailed(_))
     }
 
-    /// A short lower-case name: `processed`, `duplicate`, `conflict` or `handler-failed`.
+    /// A short lower-case name: `processed`, `duplicate`, `conflict`, `handler-failed` or `received`.
     pub fn name(&self) -> &'static str {
         match self {
             Outcome::Processed => "processed",
             Outcome::Duplicate => "duplicate",
             Outcome::Conflict { .. } => "conflict",
             Outcome::HandlerFailed(_) => "handler-failed",
+            Outcome::Received => "received",
         }
     }
 }

@@ -1,0 +1,630 @@
+//! Received-then-deferred mode, processing side: claim pending messages with a lease, apply each in a
+//! strong-case transaction, retry with backoff, dead-letter after the last attempt.
+//!
+//! A claim is one `UPDATE ... RETURNING` inside `BEGIN IMMEDIATE`: it sets the lease owner, the lease expiry
+//! and bumps `claims`, whose new value is the token of this one claim. The commit that applies the effect
+//! first re-checks, in the same transaction, that the row is still open, still leased to this worker with this
+//! token, and that the lease has not expired; otherwise the effect is not run and nothing is committed for it.
+//! The write lock makes check and commit one step, so a message's effect commits at most once, and a worker that
+//! dies leaves a lease that expires and is claimed again: at least once. Together: exactly once in effect.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use rusqlite::Connection;
+
+use crate::config::Config;
+use crate::deferred::unix_now_ms;
+use crate::error::{Error, Result};
+use crate::identity::{Delivery, Fingerprint, IdHash};
+use crate::inbox::{begin, commit, release, storage_cause, storage_error, Handler, Inbox};
+use crate::state::Tx;
+
+/// Longest `last_error` text kept per message.
+const MAX_ERROR_LEN: usize = 2048;
+
+/// Settings of a [`Worker`]. Start from [`WorkerConfig::default`] and change what you need.
+///
+/// ```
+/// use edge_inbox::WorkerConfig;
+/// use std::time::Duration;
+/// let config = WorkerConfig::default().lease(Duration::from_secs(60)).max_attempts(8).batch(32);
+/// assert_eq!(config.get_max_attempts(), 8);
+/// ```
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    lease: Duration,
+    batch: usize,
+    max_attempts: u32,
+    backoff_base: Duration,
+    backoff_max: Duration,
+    idle_wait: Duration,
+    owner: Option<String>,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            lease: Duration::from_secs(30),
+            batch: 16,
+            max_attempts: 5,
+            backoff_base: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(300),
+            idle_wait: Duration::from_millis(100),
+            owner: None,
+        }
+    }
+}
+
+impl WorkerConfig {
+    /// How long a claim is exclusive. It must comfortably exceed the time to process one claimed batch: a
+    /// worker that overruns its lease has its commit refused ([`Completion::LeaseLost`]) and the work is
+    /// redone by whoever claims the message next. Default 30 s.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Most messages claimed and applied per transaction (group commit). Default 16; at least 1.
+    pub fn batch(mut self, batch: usize) -> Self {
+        self.batch = batch.max(1);
+        self
+    }
+
+    /// Handler failures after which a message is dead-lettered. Default 5; at least 1.
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// Exponential backoff between attempts: after the n-th failure the message waits
+    /// `base * 2^(n-1)`, capped at `max`. Defaults 1 s and 5 min.
+    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
+        self.backoff_base = base;
+        self.backoff_max = max.max(base);
+        self
+    }
+
+    /// How long [`Worker::run_until`] sleeps when nothing is claimable. Default 100 ms.
+    pub fn idle_wait(mut self, wait: Duration) -> Self {
+        self.idle_wait = wait;
+        self
+    }
+
+    /// Name written as `lease_owner` (for operators). Default: `worker-<pid>-<n>`. Safety never depends on
+    /// it being unique: every claim also carries its own token.
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.owner = Some(owner.into());
+        self
+    }
+
+    /// The configured lease.
+    pub fn get_lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The configured batch size.
+    pub fn get_batch(&self) -> usize {
+        self.batch
+    }
+
+    /// The configured maximum number of attempts.
+    pub fn get_max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// Delay before the next attempt after `failures` handler failures.
+    pub fn backoff_after(&self, failures: u32) -> Duration {
+        let shift = failures.saturating_sub(1).min(30);
+        self.backoff_base
+            .saturating_mul(1 << shift)
+            .min(self.backoff_max)
+    }
+}
+
+/// One message claimed by a [`Worker`]: a copy of the stored delivery and the token of the claim.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    seq: i64,
+    token: i64,
+    attempts: u32,
+    id_hash: IdHash,
+    producer: Option<String>,
+    message_id: String,
+    topic: String,
+    payload: Vec<u8>,
+    sequence: Option<u64>,
+    sent_at: Option<i64>,
+}
+
+impl Claim {
+    /// Row id of the message (`messages.seq`): arrival order.
+    pub fn seq(&self) -> i64 {
+        self.seq
+    }
+
+    /// Handler failures recorded for the message before this claim.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// The application message id.
+    pub fn message_id(&self) -> &str {
+        &self.message_id
+    }
+
+    /// The stored delivery, as the handler sees it.
+    pub fn delivery<'a>(&'a self, scope: &'a str) -> Delivery<'a> {
+        let mut d = Delivery::new(scope, &self.message_id, &self.topic, &self.payload);
+        d.producer = self.producer.as_deref();
+        d.sequence = self.sequence;
+        d.sent_at = self.sent_at;
+        d
+    }
+}
+
+/// What became of one claimed message in [`Worker::complete`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Completion {
+    /// The effect and the state `processed` committed together.
+    Processed,
+    /// The handler failed; its effect was rolled back and the message waits for another attempt.
+    Retrying {
+        /// The handler's error (also stored, as text, in `messages.last_error`).
+        error: anyhow::Error,
+        /// Handler failures so far, this one included.
+        attempts: u32,
+        /// Delay before the message may be claimed again.
+        retry_in: Duration,
+    },
+    /// The handler failed for the last allowed time: the message is dead-lettered, kept for an operator.
+    DeadLettered {
+        /// The handler's error (also stored in `messages.last_error`).
+        error: anyhow::Error,
+        /// Handler failures, this one included.
+        attempts: u32,
+    },
+    /// The lease expired or was taken over by another worker before this commit: nothing ran, nothing was
+    /// committed for this message (whoever holds it now will apply it).
+    LeaseLost,
+}
+
+/// Counts of what a worker did, from [`Worker::run_once`] and [`Worker::run_until`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Drained {
+    /// Messages claimed.
+    pub claimed: usize,
+    /// Messages whose effect committed.
+    pub processed: usize,
+    /// Handler failures that left the message waiting for a retry.
+    pub retrying: usize,
+    /// Messages dead-lettered.
+    pub dead_lettered: usize,
+    /// Claims found lost at commit time.
+    pub lease_lost: usize,
+}
+
+impl Drained {
+    fn add(&mut self, other: Drained) {
+        self.claimed += other.claimed;
+        self.processed += other.processed;
+        self.retrying += other.retrying;
+        self.dead_lettered += other.dead_lettered;
+        self.lease_lost += other.lease_lost;
+    }
+}
+
+/// Applies the pending messages of one scope. Plain synchronous code: run one per thread, or one per process;
+/// any number of workers may share a file.
+///
+/// ```
+/// use edge_inbox::{Config, Delivery, Inbox, Worker, WorkerConfig};
+///
+/// # fn main() -> anyhow::Result<()> {
+/// let dir = tempfile::tempdir()?;
+/// let path = dir.path().join("inbox.db");
+/// let mut inbox = Inbox::open(&path, Config::default())?;
+/// inbox.receive(&Delivery::new("counter", "evt-1", "t", b"1"))?; // now the broker may be acked
+///
+/// let mut worker = Worker::open(&path, Config::default(), "counter", WorkerConfig::default())?;
+/// let drained = worker.run_once(&mut |tx: &mut edge_inbox::Tx<'_>, _d: &Delivery<'_>| {
+///     let n: i64 = tx.get("n")?.unwrap_or(0);
+///     tx.put("n", &(n + 1))?;
+///     Ok(())
+/// })?;
+/// assert_eq!(drained.processed, 1);
+/// # Ok(()) }
+/// ```
+pub struct Worker {
+    inbox: Inbox,
+    scope: String,
+    scope_id: i64,
+    owner: String,
+    config: WorkerConfig,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("scope", &self.scope)
+            .field("owner", &self.owner)
+            .finish()
+    }
+}
+
+static WORKERS: AtomicU64 = AtomicU64::new(0);
+
+impl Worker {
+    /// A worker for the pending messages of `scope`, on its own connection `inbox`.
+    pub fn new(mut inbox: Inbox, scope: &str, config: WorkerConfig) -> Result<Worker> {
+        let scope_id = inbox.scope_id(scope)?;
+        let owner = config.owner.clone().unwrap_or_else(|| {
+            format!(
+                "worker-{}-{}",
+                std::process::id(),
+                WORKERS.fetch_add(1, Ordering::Relaxed)
+            )
+        });
+        Ok(Worker {
+            inbox,
+            scope: scope.to_owned(),
+            scope_id,
+            owner,
+            config,
+        })
+    }
+
+    /// Opens its own connection to the inbox at `path` and makes a worker for `scope`.
+    pub fn open(
+        path: impl AsRef<std::path::Path>,
+        inbox_config: Config,
+        scope: &str,
+        config: WorkerConfig,
+    ) -> Result<Worker> {
+        Worker::new(Inbox::open(path, inbox_config)?, scope, config)
+    }
+
+    /// The scope this worker drains.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The `lease_owner` name of this worker.
+    pub fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    /// The worker's connection (for reads, [`Inbox::backlog`], requeues).
+    pub fn inbox(&mut self) -> &mut Inbox {
+        &mut self.inbox
+    }
+
+    /// Claims up to `max` claimable messages, oldest first: open (pending, or failed with its backoff over),
+    /// not under a live lease, and, for an order key, with no earlier open message of the same key.
+    /// One `BEGIN IMMEDIATE` transaction running one `UPDATE ... RETURNING`.
+    pub fn claim(&mut self, max: usize) -> Result<Vec<Claim>> {
+        let mut claims = Vec::new();
+        if max == 0 {
+            return Ok(claims);
+        }
+        let conn = &self.inbox.conn;
+        begin(conn)?;
+        let result = (|| -> Result<()> {
+            // Read the clock under the write lock: it orders this claim after every commit it can see.
+            let now = unix_now_ms();
+            let mut stmt = conn.prepare_cached(
+                "UPDATE messages SET lease_owner = ?1, lease_until = ?2 + ?3, claims = claims + 1 \
+                 WHERE seq IN ( \
+                   SELECT m.seq FROM messages m \
+                   WHERE m.scope_id = ?4 AND m.state IN (0, 2) AND m.not_before <= ?2 \
+                     AND (m.lease_until IS NULL OR m.lease_until < ?2) AND m.payload IS NOT NULL \
+                     AND (m.order_key IS NULL OR NOT EXISTS ( \
+                       SELECT 1 FROM messages e WHERE e.scope_id = m.scope_id AND e.order_key = m.order_key \
+                         AND e.state IN (0, 2) AND e.seq < m.seq)) \
+                   ORDER BY m.seq LIMIT ?5) \
+                 RETURNING seq, claims, attempts, id_hash, producer, message_id, topic, payload, sequence, sent_at",
+            )?;
+            let lease_ms = self.config.lease.as_millis().min(i64::MAX as u128) as i64;
+            let rows = stmt.query_map(
+                (&self.owner, now, lease_ms, self.scope_id, max as i64),
+                |r| {
+                    let hash: Vec<u8> = r.get(3)?;
+                    let mut id_hash = [0u8; 16];
+                    if hash.len() == 16 {
+                        id_hash.copy_from_slice(&hash);
+                    }
+                    Ok(Claim {
+                        seq: r.get(0)?,
+                        token: r.get(1)?,
+                        attempts: r.get::<_, i64>(2)?.max(0) as u32,
+                        id_hash: IdHash(id_hash),
+                        producer: r.get(4)?,
+                        message_id: r.get(5)?,
+                        topic: r.get(6)?,
+                        payload: r.get(7)?,
+                        sequence: r.get::<_, Option<i64>>(8)?.map(|s| s as u64),
+                        sent_at: r.get(9)?,
+                    })
+                },
+            )?;
+            for row in rows {
+                claims.push(row?);
+            }
+            drop(stmt);
+            commit(conn)
+        })();
+        if let Err(e) = result {
+            if !conn.is_autocommit() {
+                let _ = conn.execute_batch("ROLLBACK");
+            }
+            return Err(e);
+        }
+        // RETURNING order is unspecified; handlers see arrival order.
+        claims.sort_unstable_by_key(|c| c.seq);
+        Ok(claims)
+    }
+
+    /// Applies claimed messages in one transaction (group commit), each in its own savepoint, and returns one
+    /// [`Completion`] per claim in input order.
+    ///
+    /// For each claim, inside the transaction: the row is marked processed *only if* it is still open and leased
+    /// to this claim with an unexpired lease (else [`Completion::LeaseLost`] and the handler does not run); the
+    /// identity is ensured; the handler runs. A handler failure rolls back its own effect and state change and
+    /// records the failure (backoff or dead letter) instead.
+    ///
+    /// An `Err` (storage trouble, or a handler that ended the transaction) commits nothing of the batch and
+    /// consumes no attempts; the leases are given back when possible, else they expire.
+    pub fn complete<H: Handler>(
+        &mut self,
+        claims: &[Claim],
+        handler: &mut H,
+    ) -> Result<Vec<Completion>> {
+        let mut out = Vec::with_capacity(claims.len());
+        self.complete_into(claims, handler, &mut out)?;
+        Ok(out)
+    }
+
+    fn complete_into<H: Handler>(
+        &mut self,
+        claims: &[Claim],
+        handler: &mut H,
+        out: &mut Vec<Completion>,
+    ) -> Result<()> {
+        out.clear();
+        if claims.is_empty() {
+            return Ok(());
+        }
+        let conn = &self.inbox.conn;
+        begin(conn)?;
+        let result = apply_claims(
+            conn,
+            &self.scope,
+            self.scope_id,
+            &self.owner,
+            &self.config,
+            claims,
+            handler,
+            &self.inbox.buf,
+            out,
+        )
+        .and_then(|()| commit(conn));
+        if let Err(e) = result {
+            out.clear();
+            if !conn.is_autocommit() {
+                let _ = conn.execute_batch("ROLLBACK");
+            }
+            if !matches!(e, Error::CommitUnknown { .. }) {
+                let _ = self.release(claims);
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Gives leases back without consuming an attempt, so the messages are claimable at once. Safe whatever
+    /// happened meanwhile: only rows still open and leased to these very claims are touched.
+    pub fn release(&mut self, claims: &[Claim]) -> Result<()> {
+        let conn = &self.inbox.conn;
+        begin(conn)?;
+        let result = (|| -> Result<()> {
+            let mut stmt = conn.prepare_cached(
+                "UPDATE messages SET lease_owner = NULL, lease_until = NULL \
+                 WHERE seq = ?1 AND lease_owner = ?2 AND claims = ?3 AND state IN (0, 2)",
+            )?;
+            for c in claims {
+                stmt.execute((c.seq, &self.owner, c.token))?;
+            }
+            drop(stmt);
+            commit(conn)
+        })();
+        if result.is_err() && !conn.is_autocommit() {
+            let _ = conn.execute_batch("ROLLBACK");
+        }
+        result
+    }
+
+    /// Claims up to [`WorkerConfig::batch`] messages and applies them ([`Worker::claim`] then
+    /// [`Worker::complete`]). Returns what happened; `claimed == 0` means nothing was claimable.
+    pub fn run_once<H: Handler>(&mut self, handler: &mut H) -> Result<Drained> {
+        let claims = self.claim(self.config.batch)?;
+        let mut drained = Drained {
+            claimed: claims.len(),
+            ..Drained::default()
+        };
+        if claims.is_empty() {
+            return Ok(drained);
+        }
+        for c in self.complete(&claims, handler)? {
+            match c {
+                Completion::Processed => drained.processed += 1,
+                Completion::Retrying { .. } => drained.retrying += 1,
+                Completion::DeadLettered { .. } => drained.dead_lettered += 1,
+                Completion::LeaseLost => drained.lease_lost += 1,
+            }
+        }
+        Ok(drained)
+    }
+
+    /// Runs [`Worker::run_once`] until `stop` is set, sleeping [`WorkerConfig::idle_wait`] whenever nothing is
+    /// claimable. Retryable storage errors (busy, I/O, full disk) are logged and retried after a pause; they
+    /// consume no attempts. Any other error ends the loop. Returns the totals.
+    pub fn run_until<H: Handler>(&mut self, stop: &AtomicBool, handler: &mut H) -> Result<Drained> {
+        let mut total = Drained::default();
+        let mut pause = self.config.idle_wait;
+        while !stop.load(Ordering::Relaxed) {
+            match self.run_once(handler) {
+                Ok(d) => {
+                    total.add(d);
+                    pause = self.config.idle_wait;
+                    if d.claimed == 0 {
+                        sleep_unless(stop, self.config.idle_wait);
+                    }
+                }
+                Err(e) if e.is_retryable() => {
+                    log::warn!(
+                        "worker {} (scope {}): {e}; retrying in {pause:?}",
+                        self.owner,
+                        self.scope
+                    );
+                    sleep_unless(stop, pause);
+                    pause = (pause * 2).clamp(Duration::from_millis(10), Duration::from_secs(5));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(total)
+    }
+}
+
+/// Sleeps up to `d`, waking early when `stop` is set.
+fn sleep_unless(stop: &AtomicBool, d: Duration) {
+    let deadline = Instant::now() + d;
+    while !stop.load(Ordering::Relaxed) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(20)));
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn apply_claims<H: Handler>(
+    conn: &Connection,
+    scope: &str,
+    scope_id: i64,
+    owner: &str,
+    config: &WorkerConfig,
+    claims: &[Claim],
+    handler: &mut H,
+    buf: &std::cell::RefCell<Vec<u8>>,
+    out: &mut Vec<Completion>,
+) -> Result<()> {
+    // Read the clock under the write lock, so "lease not expired" is judged at commit time.
+    let now_ms = unix_now_ms();
+    let now = now_ms.div_euclid(1000);
+    let failure = std::cell::Cell::new(None);
+    let (mut processed, mut failures, mut dead) = (0i64, 0i64, 0i64);
+    for c in claims {
+        conn.prepare_cached("SAVEPOINT delivery")?.execute([])?;
+        let owned = conn
+            .prepare_cached(
+                "UPDATE messages SET state = 1, finished_at = ?4, lease_owner = NULL, lease_until = NULL \
+                 WHERE seq = ?1 AND lease_owner = ?2 AND claims = ?3 AND state IN (0, 2) AND lease_until >= ?5",
+            )?
+            .execute((c.seq, owner, c.token, now, now_ms))?;
+        if owned != 1 {
+            release(conn)?;
+            log::info!(
+                "scope {scope}: lease on message {} (seq {}) lost; not applied here",
+                c.message_id,
+                c.seq
+            );
+            out.push(Completion::LeaseLost);
+            continue;
+        }
+        let d = c.delivery(scope);
+        // A body moved here by a dead-letter path may lack its identity (a failed strong-case attempt rolls it
+        // back): restore it, so a redelivery after this commit is a duplicate.
+        conn.prepare_cached(
+            "INSERT OR IGNORE INTO identities (scope_id, id_hash, fingerprint, at) VALUES (?1, ?2, ?3, ?4)",
+        )?
+        .execute((scope_id, &c.id_hash.0[..], Fingerprint::of(&c.topic, &c.payload).to_sql(), now))?;
+
+        failure.set(None);
+        let mut tx = Tx::new(conn, scope, scope_id, now, buf, &failure);
+        let result = handler(&mut tx, &d);
+        if conn.is_autocommit() {
+            return Err(Error::HandlerEndedTransaction);
+        }
+        if let Some(code) = failure.get() {
+            return Err(storage_error(code));
+        }
+        let err = match result {
+            Ok(()) => {
+                release(conn)?;
+                processed += 1;
+                out.push(Completion::Processed);
+                continue;
+            }
+            Err(err) => err,
+        };
+        if let Some(e) = storage_cause(&err) {
+            return Err(e);
+        }
+        conn.prepare_cached("ROLLBACK TO delivery")?.execute([])?;
+        release(conn)?;
+        failures += 1;
+        let attempts = c.attempts.saturating_add(1);
+        let mut text = format!("{err:#}");
+        if text.len() > MAX_ERROR_LEN {
+            let mut cut = MAX_ERROR_LEN;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            text.truncate(cut);
+        }
+        // The ownership check above was rolled back with the effect, but the write lock is still held: nothing
+        // can have changed the row since.
+        if attempts >= config.max_attempts {
+            conn.prepare_cached(
+                "UPDATE messages SET state = 3, attempts = ?2, last_error = ?3, finished_at = ?4, \
+                 lease_owner = NULL, lease_until = NULL WHERE seq = ?1",
+            )?
+            .execute((c.seq, attempts, &text, now))?;
+            dead += 1;
+            log::warn!(
+                "scope {scope}: message {} (seq {}) dead-lettered after {attempts} attempts: {text}",
+                c.message_id,
+                c.seq
+            );
+            out.push(Completion::DeadLettered {
+                error: err,
+                attempts,
+            });
+        } else {
+            let retry_in = config.backoff_after(attempts);
+            let not_before =
+                now_ms.saturating_add(retry_in.as_millis().min(i64::MAX as u128) as i64);
+            conn.prepare_cached(
+                "UPDATE messages SET state = 2, attempts = ?2, last_error = ?3, not_before = ?4, \
+                 lease_owner = NULL, lease_until = NULL WHERE seq = ?1",
+            )?
+            .execute((c.seq, attempts, &text, not_before))?;
+            log::debug!("scope {scope}: message {} failed (attempt {attempts}), retry in {retry_in:?}: {text}", c.message_id);
+            out.push(Completion::Retrying {
+                error: err,
+                attempts,
+                retry_in,
+            });
+        }
+    }
+    conn.prepare_cached(
+        "UPDATE scope_stats SET processed = processed + ?2, handler_failures = handler_failures + ?3, \
+         dead_lettered = dead_lettered + ?4 WHERE scope_id = ?1",
+    )?
+    .execute((scope_id, processed, failures, dead))?;
+    Ok(())
+}
