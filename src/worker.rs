@@ -556,11 +556,15 @@ fn apply_claims<H: Handler>(
         failure.set(None);
         let mut tx = Tx::new(conn, scope, scope_id, now, buf, &failure);
         let result = handler(&mut tx, &d);
-        if conn.is_autocommit() {
-            return Err(Error::HandlerEndedTransaction);
-        }
+        // Storage trouble first: SQLite may have rolled the transaction back itself (a full disk does).
         if let Some(code) = failure.get() {
             return Err(storage_error(code));
+        }
+        if let Some(e) = result.as_ref().err().and_then(storage_cause) {
+            return Err(e);
+        }
+        if conn.is_autocommit() {
+            return Err(Error::HandlerEndedTransaction);
         }
         let err = match result {
             Ok(()) => {
@@ -571,9 +575,6 @@ fn apply_claims<H: Handler>(
             }
             Err(err) => err,
         };
-        if let Some(e) = storage_cause(&err) {
-            return Err(e);
-        }
         conn.prepare_cached("ROLLBACK TO delivery")?.execute([])?;
         release(conn)?;
         failures += 1;

@@ -1,0 +1,239 @@
+//! Receive side of the received-then-deferred mode, against a real database file.
+
+mod deferred_support;
+
+use deferred_support::*;
+use edge_inbox::{Delivery, Error, MessageState, Outcome, Status, Worker, WorkerConfig};
+
+#[test]
+fn receive_stores_pending_and_redelivery_is_duplicate() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = open(&path);
+    let d = Delivery::new(SCOPE, "evt-1", "orders/1", b"{\"qty\":1}").with_producer("shop");
+
+    assert!(matches!(inbox.receive(&d).unwrap(), Outcome::Received));
+    assert!(inbox.receive(&d).unwrap().may_ack());
+    // Stored, not applied: the state says pending and no effect exists.
+    match inbox.status(SCOPE, Some("shop"), "evt-1").unwrap() {
+        Status::Recorded { state, .. } => assert_eq!(state, Some(MessageState::Pending)),
+        other => panic!("expected recorded, got {other:?}"),
+    }
+    assert!(matches!(inbox.receive(&d).unwrap(), Outcome::Duplicate));
+    assert_eq!(
+        states(&inbox),
+        [1, 0, 0, 0],
+        "a redelivery adds no second body"
+    );
+
+    // Same id, other content: conflict, recorded and counted, nothing stored.
+    let other = Delivery::new(SCOPE, "evt-1", "orders/1", b"{\"qty\":2}").with_producer("shop");
+    match inbox.receive(&other).unwrap() {
+        Outcome::Conflict { stored, received } => {
+            assert_eq!(stored, d.fingerprint());
+            assert_eq!(received, other.fingerprint());
+        }
+        o => panic!("expected conflict, got {o:?}"),
+    }
+    let conflicts: i64 = inbox
+        .connection()
+        .query_row("SELECT count(*) FROM conflicts", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(conflicts, 1);
+    let stats = inbox.scope_stats(SCOPE).unwrap();
+    assert_eq!(
+        (stats.duplicates, stats.conflicts, stats.processed),
+        (2, 1, 0)
+    );
+    assert_eq!(states(&inbox), [1, 0, 0, 0]);
+
+    // Once processed, a redelivery is still a duplicate, and the status moves to processed.
+    let mut worker = Worker::new(open(&path), SCOPE, WorkerConfig::default()).unwrap();
+    assert_eq!(worker.run_once(&mut count_effect).unwrap().processed, 1);
+    assert!(matches!(inbox.receive(&d).unwrap(), Outcome::Duplicate));
+    match inbox.status(SCOPE, Some("shop"), "evt-1").unwrap() {
+        Status::Recorded { state, .. } => assert_eq!(state, Some(MessageState::Processed)),
+        other => panic!("expected recorded, got {other:?}"),
+    }
+    assert_eq!(effects(&inbox), (1, 1, 1));
+    assert_eq!(inbox.scope_stats(SCOPE).unwrap().processed, 1);
+}
+
+#[test]
+fn strong_case_identity_makes_receive_a_duplicate_and_vice_versa() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = open(&dir.path().join("inbox.db"));
+    let a = Delivery::new(SCOPE, "a", "t", b"x");
+    assert!(matches!(
+        inbox.process(&a, count_effect).unwrap(),
+        Outcome::Processed
+    ));
+    assert!(matches!(inbox.receive(&a).unwrap(), Outcome::Duplicate));
+    let b = Delivery::new(SCOPE, "b", "t", b"y");
+    assert!(matches!(inbox.receive(&b).unwrap(), Outcome::Received));
+    assert!(matches!(
+        inbox.process(&b, count_effect).unwrap(),
+        Outcome::Duplicate
+    ));
+    assert_eq!(
+        effects(&inbox),
+        (1, 1, 1),
+        "only the strong-case delivery ran so far"
+    );
+}
+
+#[test]
+fn batch_outcomes_come_back_in_input_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = open(&dir.path().join("inbox.db"));
+    assert!(matches!(
+        inbox
+            .receive(&Delivery::new(SCOPE, "old", "t", b"1"))
+            .unwrap(),
+        Outcome::Received
+    ));
+    let batch = [
+        Delivery::new(SCOPE, "new-1", "t", b"1"),
+        Delivery::new(SCOPE, "old", "t", b"1"),
+        Delivery::new(SCOPE, "new-1", "t", b"1"),
+        Delivery::new(SCOPE, "old", "t", b"changed"),
+        Delivery::new("other-scope", "old", "t", b"1"),
+    ];
+    let mut outcomes = Vec::new();
+    inbox.receive_batch_into(&batch, &mut outcomes).unwrap();
+    let names: Vec<_> = outcomes.iter().map(Outcome::name).collect();
+    assert_eq!(
+        names,
+        ["received", "duplicate", "duplicate", "conflict", "received"]
+    );
+    assert_eq!(states(&inbox), [3, 0, 0, 0]);
+    let stats = inbox.scope_stats(SCOPE).unwrap();
+    assert_eq!((stats.duplicates, stats.conflicts), (2, 1));
+
+    // Order keys must match the deliveries one to one; an invalid batch writes nothing.
+    let err = inbox
+        .receive_batch_ordered_into(&batch[..2], &[Some("k")], &mut outcomes)
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    let bad = [
+        Delivery::new(SCOPE, "fresh", "t", b"1"),
+        Delivery::new(SCOPE, "", "t", b"1"),
+    ];
+    assert!(matches!(
+        inbox.receive_batch_into(&bad, &mut outcomes).unwrap_err(),
+        Error::InvalidDelivery(_)
+    ));
+    assert!(outcomes.is_empty());
+    assert_eq!(states(&inbox), [3, 0, 0, 0]);
+    assert!(matches!(
+        inbox.status(SCOPE, None, "fresh").unwrap(),
+        Status::NotFound
+    ));
+}
+
+#[test]
+fn pending_messages_survive_reopen_and_are_processed_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    {
+        let mut inbox = open(&path);
+        receive_n(&mut inbox, 100);
+        // Claimed by a worker that then goes away without applying anything.
+        let mut worker = Worker::new(
+            open(&path),
+            SCOPE,
+            WorkerConfig::default().lease(std::time::Duration::ZERO),
+        )
+        .unwrap();
+        assert_eq!(worker.claim(10).unwrap().len(), 10);
+    }
+    let inbox = open(&path);
+    let backlog = inbox.backlog(SCOPE).unwrap();
+    assert_eq!(backlog.pending, 100);
+    assert!(backlog.oldest_pending_age.is_some());
+    assert_eq!(states(&inbox), [100, 0, 0, 0]);
+
+    let mut worker = Worker::new(open(&path), SCOPE, WorkerConfig::default().batch(32)).unwrap();
+    let mut total = 0;
+    until("drain", std::time::Duration::from_secs(60), || {
+        total += worker.run_once(&mut count_effect).unwrap().processed;
+        total == 100
+    });
+    assert_eq!(effects(&inbox), (100, 100, 1));
+    assert_eq!(states(&inbox), [0, 100, 0, 0]);
+    let b = inbox.backlog(SCOPE).unwrap();
+    assert_eq!(
+        (b.pending, b.failed, b.in_flight, b.oldest_pending_age),
+        (0, 0, 0, None)
+    );
+}
+
+#[test]
+fn backlog_reports_and_warns_past_threshold() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = open(&path);
+    assert_eq!(
+        inbox.backlog(SCOPE).unwrap(),
+        edge_inbox::Backlog::default()
+    );
+    receive_n(&mut inbox, 5);
+    // Make the oldest message two hours old, as after a long outage of the workers.
+    inbox
+        .connection()
+        .execute(
+            "UPDATE messages SET received_at = received_at - 7200 WHERE message_id = 'm-0'",
+            [],
+        )
+        .unwrap();
+    let mut worker = Worker::new(open(&path), SCOPE, WorkerConfig::default()).unwrap();
+    assert_eq!(worker.claim(2).unwrap().len(), 2);
+
+    let b = inbox.backlog(SCOPE).unwrap();
+    assert_eq!(
+        (b.pending, b.in_flight, b.failed, b.dead_letters),
+        (5, 2, 0, 0)
+    );
+    let age = b.oldest_pending_age.unwrap().as_secs();
+    assert!((7200..7300).contains(&age), "age {age}");
+    let threshold = edge_inbox::BacklogThreshold::default();
+    assert!(b.exceeds(&threshold));
+    assert!(!b.exceeds(&edge_inbox::BacklogThreshold {
+        max_age: std::time::Duration::from_secs(86_400),
+        max_open: None
+    }));
+    assert!(b.exceeds(&edge_inbox::BacklogThreshold {
+        max_age: std::time::Duration::from_secs(86_400),
+        max_open: Some(4)
+    }));
+    assert_eq!(inbox.warn_if_backlogged(SCOPE, &threshold).unwrap(), b);
+}
+
+#[test]
+fn order_key_is_validated() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = open(&dir.path().join("inbox.db"));
+    let d = Delivery::new(SCOPE, "a", "t", b"1");
+    assert!(matches!(
+        inbox.receive_ordered(&d, Some("")).unwrap_err(),
+        Error::InvalidArgument(_)
+    ));
+    let long = "k".repeat(10_000);
+    assert!(matches!(
+        inbox.receive_ordered(&d, Some(&long)).unwrap_err(),
+        Error::InvalidDelivery(_)
+    ));
+    assert!(matches!(
+        inbox.status(SCOPE, None, "a").unwrap(),
+        Status::NotFound
+    ));
+    assert!(matches!(
+        inbox.receive_ordered(&d, Some("order-7")).unwrap(),
+        Outcome::Received
+    ));
+    let key: Option<String> = inbox
+        .connection()
+        .query_row("SELECT order_key FROM messages", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(key.as_deref(), Some("order-7"));
+}
