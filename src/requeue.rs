@@ -2,7 +2,6 @@
 
 use crate::error::Result;
 use crate::inbox::{begin, commit, Inbox};
-use crate::outcome::MessageState;
 
 /// A dead-lettered message, as listed by [`Inbox::dead_letters`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,15 +28,11 @@ impl Inbox {
     pub fn dead_letters(&self, scope: &str, limit: usize) -> Result<Vec<DeadLetter>> {
         let mut stmt = self.conn.prepare_cached(
             "SELECT m.seq, m.producer, m.message_id, m.topic, m.attempts, m.last_error, m.finished_at \
-             FROM messages m JOIN scopes s ON s.id = m.scope_id WHERE s.name = ?1 AND m.state = ?3 \
+             FROM messages m JOIN scopes s ON s.id = m.scope_id WHERE s.name = ?1 AND m.state = 3 \
              ORDER BY m.seq LIMIT ?2",
         )?;
         let rows = stmt.query_map(
-            (
-                scope,
-                limit.min(i64::MAX as usize) as i64,
-                MessageState::DeadLettered.to_sql(),
-            ),
+            (scope, limit.min(i64::MAX as usize) as i64),
             |r| {
                 Ok(DeadLetter {
                     seq: r.get(0)?,
