@@ -31,20 +31,17 @@ impl Inbox {
              FROM messages m JOIN scopes s ON s.id = m.scope_id WHERE s.name = ?1 AND m.state = 3 \
              ORDER BY m.seq LIMIT ?2",
         )?;
-        let rows = stmt.query_map(
-            (scope, limit.min(i64::MAX as usize) as i64),
-            |r| {
-                Ok(DeadLetter {
-                    seq: r.get(0)?,
-                    producer: r.get(1)?,
-                    message_id: r.get(2)?,
-                    topic: r.get(3)?,
-                    attempts: r.get::<_, i64>(4)?.max(0) as u32,
-                    last_error: r.get(5)?,
-                    at: r.get(6)?,
-                })
-            },
-        )?;
+        let rows = stmt.query_map((scope, limit.min(i64::MAX as usize) as i64), |r| {
+            Ok(DeadLetter {
+                seq: r.get(0)?,
+                producer: r.get(1)?,
+                message_id: r.get(2)?,
+                topic: r.get(3)?,
+                attempts: r.get::<_, i64>(4)?.max(0) as u32,
+                last_error: r.get(5)?,
+                at: r.get(6)?,
+            })
+        })?;
         let mut out = Vec::new();
         for row in rows {
             out.push(row?);
