@@ -101,9 +101,11 @@ CREATE TABLE messages (
     finished_at  INTEGER,
     UNIQUE (scope_id, id_hash)
 );
-CREATE INDEX messages_by_state ON messages (scope_id, state, not_before, seq);
--- Claims scan the open (pending or failed) rows in arrival order; partial, so processed rows cost nothing here.
+-- Claims and the backlog scan the open (pending or failed) rows in arrival order. The indexes are partial, so
+-- processed rows, the bulk of the table, cost nothing here; an index over every state would be rewritten at
+-- each claim and each completion.
 CREATE INDEX messages_open ON messages (scope_id, seq) WHERE state IN (0, 2);
+CREATE INDEX messages_dead ON messages (scope_id, seq) WHERE state = 3;
 -- Per-key ordering: "is an earlier message with this key still open?"
 CREATE INDEX messages_open_by_key ON messages (scope_id, order_key, seq) WHERE state IN (0, 2) AND order_key IS NOT NULL;
 

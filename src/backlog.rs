@@ -61,13 +61,20 @@ impl Inbox {
         let row = self
             .conn
             .prepare_cached(
-                "SELECT count(*) FILTER (WHERE state = 0), min(received_at) FILTER (WHERE state IN (0, 2)), \
-                 count(*) FILTER (WHERE state IN (0, 2) AND lease_until >= ?2), \
-                 count(*) FILTER (WHERE state = 2), count(*) FILTER (WHERE state = 3) \
-                 FROM messages WHERE scope_id = (SELECT id FROM scopes WHERE name = ?1) AND state IN (0, 2, 3)",
+                "SELECT count(*) FILTER (WHERE state = 0), min(received_at), \
+                 count(*) FILTER (WHERE lease_until >= ?2), count(*) FILTER (WHERE state = 2), \
+                 coalesce((SELECT count(*) FROM messages WHERE scope_id = s.id AND state = 3), 0) \
+                 FROM scopes s LEFT JOIN messages m ON m.scope_id = s.id AND m.state IN (0, 2) \
+                 WHERE s.name = ?1",
             )?
             .query_row((scope, now_ms), |r| {
-                Ok((r.get::<_, i64>(0)?, r.get::<_, Option<i64>>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?, r.get::<_, i64>(4)?))
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, Option<i64>>(1)?,
+                    r.get::<_, i64>(2)?,
+                    r.get::<_, i64>(3)?,
+                    r.get::<_, i64>(4)?,
+                ))
             })?;
         let (pending, oldest, in_flight, failed, dead) = row;
         let now = now_ms.div_euclid(1000);

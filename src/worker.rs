@@ -415,7 +415,10 @@ impl Worker {
             if !conn.is_autocommit() {
                 let _ = conn.execute_batch("ROLLBACK");
             }
-            if !matches!(e, Error::CommitUnknown { .. }) {
+            // Give the leases back so the messages need not wait for expiry; not when the database is busy
+            // (that would wait out the busy timeout again) nor when the commit may have happened (harmless,
+            // but pointless).
+            if !matches!(e, Error::CommitUnknown { .. } | Error::Busy { .. }) {
                 let _ = self.release(claims);
             }
             return Err(e);
