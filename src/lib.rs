@@ -115,7 +115,8 @@
 //! A [`Worker`] (plain synchronous code: one per thread or per process, any number on one file) drains a scope:
 //!
 //! 1. **claim**: one `UPDATE ... RETURNING` under `BEGIN IMMEDIATE` leases up to
-//!    [`WorkerConfig::batch`] open messages to the worker until `now + lease`, with a fresh claim token;
+//!    [`WorkerConfig::batch`] open messages to the worker until `now + lease`, with a fresh claim token. The
+//!    claim commits without its own fsync: losing it to a power cut only makes the messages claimable again;
 //! 2. **apply**: one strong-case transaction for the batch; per message, a savepoint that marks it processed
 //!    *only if* it is still leased to this claim and the lease has not expired, then runs your [`Handler`] on
 //!    the stored [`Delivery`]. Effect and state change commit together; a worker whose lease was lost or taken

@@ -33,6 +33,13 @@ fn live_lease_is_exclusive_and_expired_lease_is_reclaimed_and_stale_commit_refus
     let mut other = worker(&path, WorkerConfig::default().owner("other"));
     let held = holder.claim(1).unwrap();
     assert_eq!(held.len(), 1);
+    // The claim ran without its own fsync; the connection is durable again for everything after it.
+    let sync: i64 = holder
+        .inbox()
+        .connection()
+        .query_row("PRAGMA synchronous", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(sync, 2);
     assert_eq!(held[0].message_id(), "m-0");
     let seen = other.claim(10).unwrap();
     assert_eq!(
