@@ -22,8 +22,8 @@ const BATCHES: [usize; 3] = [1, 16, 256];
 const PAYLOAD: &[u8] = br#"{"order":42,"sku":"A-1","qty":1,"kind":"created"}"#;
 
 /// (mode, batch) -> (messages, time): every measured iteration, for the ratio table.
-static TOTALS: Mutex<BTreeMap<(&'static str, usize), (u64, Duration)>> =
-    Mutex::new(BTreeMap::new());
+type Totals = BTreeMap<(&'static str, usize), (u64, Duration)>;
+static TOTALS: Mutex<Totals> = Mutex::new(BTreeMap::new());
 
 fn record(mode: &'static str, batch: usize, messages: u64, time: Duration) {
     let mut t = TOTALS.lock().unwrap();
