@@ -117,18 +117,22 @@ mod error;
 mod identity;
 mod inbox;
 mod outcome;
+mod retention;
 mod schema;
 mod state;
 mod stats;
+mod watermark;
 
 pub use crate::config::{Config, Limits, Synchronous};
 pub use crate::error::{Error, InvalidDelivery, Result};
 pub use crate::identity::{Delivery, Fingerprint, IdHash};
 pub use crate::inbox::{Handler, Inbox};
 pub use crate::outcome::{MessageState, Outcome, Status};
+pub use crate::retention::{versioned_scope, ExpiredPolicy, PruneReport, Pruning, RetentionPolicy};
 pub use crate::schema::{open_read_only, SCHEMA_VERSION};
 pub use crate::state::Tx;
 pub use crate::stats::ScopeStats;
+pub use crate::watermark::Watermark;
 
 /// The rusqlite version this crate is built against, for handlers that use [`Tx::sql`].
 pub use rusqlite;
