@@ -41,7 +41,12 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_scope_len: 128, max_id_len: 256, max_topic_len: 1024, max_payload_len: 1 << 20 }
+        Limits {
+            max_scope_len: 128,
+            max_id_len: 256,
+            max_topic_len: 1024,
+            max_payload_len: 1 << 20,
+        }
     }
 }
 
@@ -61,6 +66,7 @@ pub struct Config {
     pub(crate) busy_timeout: Duration,
     pub(crate) limits: Limits,
     pub(crate) journal_size_limit: i64,
+    pub(crate) vfs: Option<String>,
 }
 
 impl Default for Config {
@@ -70,6 +76,7 @@ impl Default for Config {
             busy_timeout: Duration::from_secs(5),
             limits: Limits::default(),
             journal_size_limit: 64 << 20,
+            vfs: None,
         }
     }
 }
@@ -98,6 +105,13 @@ impl Config {
     /// Size, in bytes, the WAL file is truncated back to after a checkpoint. Default 64 MiB.
     pub fn journal_size_limit(mut self, bytes: i64) -> Self {
         self.journal_size_limit = bytes;
+        self
+    }
+
+    /// Name of a registered SQLite VFS to open the file with (for example one that adds encryption or
+    /// fault injection). Default: the platform's own.
+    pub fn vfs(mut self, name: impl Into<String>) -> Self {
+        self.vfs = Some(name.into());
         self
     }
 

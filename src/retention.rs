@@ -198,7 +198,13 @@ pub struct Pruning {
 
 impl Default for Pruning {
     fn default() -> Self {
-        Pruning { batch: 256, vacuum_pages: 128, pause: Duration::from_millis(10), as_of: None, truncate_wal: true }
+        Pruning {
+            batch: 256,
+            vacuum_pages: 128,
+            pause: Duration::from_millis(10),
+            as_of: None,
+            truncate_wal: true,
+        }
     }
 }
 
@@ -315,7 +321,9 @@ impl RetentionState {
     /// Reloads the rules when another connection committed since the last look. Called inside the write
     /// transaction, so what it reads cannot change before the commit. `PRAGMA data_version` costs no I/O.
     pub(crate) fn refresh(&mut self, conn: &Connection) -> Result<()> {
-        let v: i64 = conn.prepare_cached("PRAGMA data_version")?.query_row([], |r| r.get(0))?;
+        let v: i64 = conn
+            .prepare_cached("PRAGMA data_version")?
+            .query_row([], |r| r.get(0))?;
         if self.data_version != Some(v) {
             self.rules = load_rules(conn)?;
             self.data_version = Some(v);
@@ -349,7 +357,13 @@ fn load_rules(conn: &Connection) -> Result<HashMap<i64, ScopeRules>> {
             clock_skew: Duration::from_secs(r.get::<_, i64>(5)?.max(0) as u64),
             first_sequence: (r.get::<_, i64>(6)? == 1).then_some(r.get::<_, i64>(7)?.max(0) as u64),
         };
-        Ok((r.get::<_, i64>(0)?, ScopeRules { policy, pruned_before: r.get(8)? }))
+        Ok((
+            r.get::<_, i64>(0)?,
+            ScopeRules {
+                policy,
+                pruned_before: r.get(8)?,
+            },
+        ))
     })?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
@@ -371,7 +385,15 @@ pub(crate) fn check_new_identity(
     if sent_at >= pruned_before.saturating_add(skew) {
         return Ok(None);
     }
-    expired(conn, d, scope_id, now, rules.policy.expired, sent_at, pruned_before)
+    expired(
+        conn,
+        d,
+        scope_id,
+        now,
+        rules.policy.expired,
+        sent_at,
+        pruned_before,
+    )
 }
 
 #[cold]
@@ -384,7 +406,8 @@ fn expired(
     sent_at: i64,
     pruned_before: i64,
 ) -> Result<Option<Outcome>> {
-    conn.prepare_cached("UPDATE scope_stats SET expired = expired + 1 WHERE scope_id = ?1")?.execute([scope_id])?;
+    conn.prepare_cached("UPDATE scope_stats SET expired = expired + 1 WHERE scope_id = ?1")?
+        .execute([scope_id])?;
     if policy == ExpiredPolicy::Process {
         log::warn!(
             "scope {}: message id {:?} (producer {:?}) sent at {sent_at}, before the pruned identity horizon \
@@ -408,8 +431,10 @@ fn expired(
         )?
         .execute((scope_id, d.topic, d.payload, &reason, now))?;
         let id = conn.last_insert_rowid();
-        conn.prepare_cached("UPDATE scope_stats SET quarantined = quarantined + 1 WHERE scope_id = ?1")?
-            .execute([scope_id])?;
+        conn.prepare_cached(
+            "UPDATE scope_stats SET quarantined = quarantined + 1 WHERE scope_id = ?1",
+        )?
+        .execute([scope_id])?;
         Some(id)
     } else {
         None
@@ -422,7 +447,11 @@ fn expired(
         d.producer,
         if quarantined.is_some() { "quarantined" } else { "rejected" }
     );
-    Ok(Some(Outcome::Expired { sent_at, pruned_before, quarantined }))
+    Ok(Some(Outcome::Expired {
+        sent_at,
+        pruned_before,
+        quarantined,
+    }))
 }
 
 /// A versioned scope name for a rebuilt projection: `versioned_scope("inventory", 2)` is `"inventory@2"`.
@@ -462,7 +491,10 @@ impl Inbox {
     /// The retention policy of `scope` (the default, keep everything, when none was set).
     pub fn retention(&mut self, scope: &str) -> Result<RetentionPolicy> {
         let scope_id = self.scope_id(scope)?;
-        Ok(load_rules(&self.conn)?.get(&scope_id).map(|r| r.policy).unwrap_or_default())
+        Ok(load_rules(&self.conn)?
+            .get(&scope_id)
+            .map(|r| r.policy)
+            .unwrap_or_default())
     }
 
     /// Every identity of `scope` pruned so far was committed before this time (Unix seconds); `None` while no
@@ -487,7 +519,10 @@ impl Inbox {
     /// refers to it any more.
     pub fn prune_step(&mut self, opts: &Pruning) -> Result<PruneReport> {
         let now = opts.as_of.unwrap_or_else(unix_now);
-        let mut report = PruneReport { steps: 1, ..PruneReport::default() };
+        let mut report = PruneReport {
+            steps: 1,
+            ..PruneReport::default()
+        };
         match self.retention.phase {
             Phase::Messages => self.prune_messages(opts, now, &mut report)?,
             Phase::Identities => self.prune_identities(opts, now, &mut report)?,
@@ -539,7 +574,10 @@ impl Inbox {
 
     fn write_step<T>(&mut self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
         begin(&self.conn)?;
-        let result = self.retention.refresh(&self.conn).and_then(|()| f(&self.conn));
+        let result = self
+            .retention
+            .refresh(&self.conn)
+            .and_then(|()| f(&self.conn));
         let result = result.and_then(|v| commit(&self.conn).map(|()| v));
         if result.is_err() && !self.conn.is_autocommit() {
             let _ = self.conn.execute_batch("ROLLBACK");
@@ -601,7 +639,12 @@ impl Inbox {
         Ok(())
     }
 
-    fn prune_identities(&mut self, opts: &Pruning, now: i64, report: &mut PruneReport) -> Result<()> {
+    fn prune_identities(
+        &mut self,
+        opts: &Pruning,
+        now: i64,
+        report: &mut PruneReport,
+    ) -> Result<()> {
         self.retention.refresh(&self.conn)?;
         // The next scope with a horizon, at or after the cursor.
         let mut scopes: Vec<(i64, Duration)> = self
@@ -669,7 +712,12 @@ impl Inbox {
     }
 }
 
-fn store_policy(conn: &Connection, scope: &str, scope_id: i64, policy: &RetentionPolicy) -> Result<()> {
+fn store_policy(
+    conn: &Connection,
+    scope: &str,
+    scope_id: i64,
+    policy: &RetentionPolicy,
+) -> Result<()> {
     let stored: Option<(i64, i64)> = conn
         .prepare_cached("SELECT watermarks, first_sequence FROM retention WHERE scope_id = ?1")?
         .query_row([scope_id], |r| Ok((r.get(0)?, r.get(1)?)))

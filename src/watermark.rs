@@ -42,9 +42,14 @@ impl Inbox {
             "SELECT sequence FROM watermark_exceptions WHERE scope_id = ?1 AND producer = ?2 ORDER BY sequence",
         )?;
         let exceptions = stmt
-            .query_map((scope_id, producer), |r| r.get::<_, i64>(0).map(|s| s as u64))?
+            .query_map((scope_id, producer), |r| {
+                r.get::<_, i64>(0).map(|s| s as u64)
+            })?
             .collect::<rusqlite::Result<Vec<u64>>>()?;
-        Ok(Watermark { high: high.map(|h| h as u64), exceptions })
+        Ok(Watermark {
+            high: high.map(|h| h as u64),
+            exceptions,
+        })
     }
 }
 
@@ -60,8 +65,11 @@ pub(crate) fn claim(
     sequence: u64,
     first: i64,
 ) -> Result<Option<Outcome>> {
-    let seq = i64::try_from(sequence)
-        .map_err(|_| Error::InvalidArgument(format!("sequence {sequence} is above the largest storable (2^63-1)")))?;
+    let seq = i64::try_from(sequence).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "sequence {sequence} is above the largest storable (2^63-1)"
+        ))
+    })?;
     let high: i64 = conn
         .prepare_cached("SELECT high FROM watermarks WHERE scope_id = ?1 AND producer = ?2")?
         .query_row((scope_id, producer), |r| r.get(0))
