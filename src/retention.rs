@@ -15,6 +15,7 @@ use crate::inbox::{begin, commit, unix_now, Inbox};
 use crate::outcome::Outcome;
 
 const DAY: i64 = 86_400;
+const MAX_BUSY_RETRIES: u32 = 100;
 
 /// What to do with a delivery that was sent before the scope's identity horizon (older than
 /// [`Inbox::pruned_before`]) and whose identity is not found: it may be new, or a repetition whose identity was
@@ -558,10 +559,22 @@ impl Inbox {
     }
 
     /// Runs [`Inbox::prune_step`] until a pass is complete, pausing between steps; returns the summed report.
+    /// A step that finds the database busy (a consumer held the write lock for the whole busy timeout) is
+    /// retried after the pause, up to 100 times in a row, before [`Error::Busy`] is returned.
     pub fn prune(&mut self, opts: &Pruning) -> Result<PruneReport> {
         let mut total = PruneReport::default();
+        let mut busy = 0;
         loop {
-            let step = self.prune_step(opts)?;
+            let step = match self.prune_step(opts) {
+                // Maintenance yields to consumers: a step that could not get the write lock is retried later.
+                Err(Error::Busy { .. }) if busy < MAX_BUSY_RETRIES => {
+                    busy += 1;
+                    std::thread::sleep(opts.pause.max(Duration::from_millis(1)));
+                    continue;
+                }
+                other => other?,
+            };
+            busy = 0;
             total.add(&step);
             if step.done {
                 return Ok(total);
