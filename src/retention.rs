@@ -216,7 +216,7 @@ impl Pruning {
         self
     }
 
-    /// Free pages returned to the file system per step (default 128).
+    /// Free pages returned to the file system per step (default 64).
     pub fn vacuum_pages(mut self, pages: u32) -> Self {
         self.vacuum_pages = pages.max(1);
         self
@@ -524,22 +524,17 @@ impl Inbox {
             steps: 1,
             ..PruneReport::default()
         };
-        match self.retention.phase {
-            Phase::Messages => self.prune_messages(opts, now, &mut report)?,
-            Phase::Identities => self.prune_identities(opts, now, &mut report)?,
-            Phase::Vacuum => {
-                let freed = vacuum_step(&self.conn, opts.vacuum_pages)?;
-                report.pages_reclaimed = freed;
-                if freed == 0 {
-                    self.retention.phase = Phase::Checkpoint;
-                }
-            }
-            Phase::Checkpoint => {
-                checkpoint(&self.conn, opts.truncate_wal)?;
-                self.retention.phase = Phase::Messages;
-                report.done = true;
-            }
-        }
+        // A prune step need not survive a power loss (a lost step is redone by the next pass; WAL keeps the file
+        // consistent), so it skips the fsync and holds the write lock for less time. Consumers' own commits keep
+        // their configured durability, and their next fsync covers these frames too.
+        self.conn.execute_batch("PRAGMA synchronous = NORMAL")?;
+        let result = self.prune_phase(opts, now, &mut report);
+        let restore = self.conn.execute_batch(&format!(
+            "PRAGMA synchronous = {}",
+            self.config.synchronous.pragma_value()
+        ));
+        result?;
+        restore?;
         self.retention.pass.add(&report);
         if report.done {
             let pass = std::mem::take(&mut self.retention.pass);
@@ -583,6 +578,26 @@ impl Inbox {
                 std::thread::sleep(opts.pause);
             }
         }
+    }
+
+    fn prune_phase(&mut self, opts: &Pruning, now: i64, report: &mut PruneReport) -> Result<()> {
+        match self.retention.phase {
+            Phase::Messages => self.prune_messages(opts, now, report)?,
+            Phase::Identities => self.prune_identities(opts, now, report)?,
+            Phase::Vacuum => {
+                let freed = vacuum_step(&self.conn, opts.vacuum_pages)?;
+                report.pages_reclaimed = freed;
+                if freed == 0 {
+                    self.retention.phase = Phase::Checkpoint;
+                }
+            }
+            Phase::Checkpoint => {
+                checkpoint(&self.conn, opts.truncate_wal)?;
+                self.retention.phase = Phase::Messages;
+                report.done = true;
+            }
+        }
+        Ok(())
     }
 
     fn write_step<T>(&mut self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
@@ -782,7 +797,10 @@ fn vacuum_step(conn: &Connection, pages: u32) -> Result<u64> {
         if before == 0 {
             return Ok(0);
         }
-        conn.execute_batch(&format!("PRAGMA incremental_vacuum({pages})"))?;
+        // Each step of this statement frees one page: run it to the end.
+        let mut stmt = conn.prepare(&format!("PRAGMA incremental_vacuum({pages})"))?;
+        let mut rows = stmt.query([])?;
+        while rows.next()?.is_some() {}
         let after: i64 = conn.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
         Ok((before - after).max(0) as u64)
     })();
