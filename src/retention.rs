@@ -193,6 +193,7 @@ pub struct Pruning {
     batch: usize,
     vacuum_pages: u32,
     pause: Duration,
+    idle: u32,
     as_of: Option<i64>,
     truncate_wal: bool,
 }
@@ -200,9 +201,10 @@ pub struct Pruning {
 impl Default for Pruning {
     fn default() -> Self {
         Pruning {
-            batch: 256,
-            vacuum_pages: 128,
+            batch: 128,
+            vacuum_pages: 32,
             pause: Duration::from_millis(10),
+            idle: 4,
             as_of: None,
             truncate_wal: true,
         }
@@ -210,13 +212,13 @@ impl Default for Pruning {
 }
 
 impl Pruning {
-    /// Rows examined per step (default 256). Smaller steps hold the write lock for less time.
+    /// Rows examined per step (default 128). Smaller steps hold the write lock for less time.
     pub fn batch(mut self, rows: usize) -> Self {
         self.batch = rows.max(1);
         self
     }
 
-    /// Free pages returned to the file system per step (default 64).
+    /// Free pages returned to the file system per step (default 32).
     pub fn vacuum_pages(mut self, pages: u32) -> Self {
         self.vacuum_pages = pages.max(1);
         self
@@ -225,6 +227,13 @@ impl Pruning {
     /// Pause between steps in [`Inbox::prune`] (default 10 ms), leaving the write lock to consumers.
     pub fn pause(mut self, pause: Duration) -> Self {
         self.pause = pause;
+        self
+    }
+
+    /// In [`Inbox::prune`], rest at least `factor` times as long as each step took (default 4), so pruning uses
+    /// at most about a fifth of the disk's time and a consumer rarely meets it. 0 rests only the fixed pause.
+    pub fn idle(mut self, factor: u32) -> Self {
+        self.idle = factor;
         self
     }
 
@@ -560,6 +569,7 @@ impl Inbox {
         let mut total = PruneReport::default();
         let mut busy = 0;
         loop {
+            let started = std::time::Instant::now();
             let step = match self.prune_step(opts) {
                 // Maintenance yields to consumers: a step that could not get the write lock is retried later.
                 Err(Error::Busy { .. }) if busy < MAX_BUSY_RETRIES => {
@@ -574,8 +584,11 @@ impl Inbox {
             if step.done {
                 return Ok(total);
             }
-            if !opts.pause.is_zero() {
-                std::thread::sleep(opts.pause);
+            // Leave the disk and the write lock to consumers most of the time: idle at least `idle` times as
+            // long as the step took (its I/O competes with their fsyncs even after the lock is released).
+            let rest = opts.pause.max(started.elapsed() * opts.idle);
+            if !rest.is_zero() {
+                std::thread::sleep(rest);
             }
         }
     }
