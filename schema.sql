@@ -16,12 +16,16 @@ CREATE TABLE scopes (
 -- The evidence. One compact row per (scope, producer, message id) ever committed.
 -- id_hash is xxh3-128 of (producer, message id): fixed width whatever the id length, so the row stays small
 -- after the payload is pruned. fingerprint is xxh3-64 of (topic, payload) and only detects conflicts.
+-- day is the commit time in whole Unix days (UTC): two bytes until 2059 instead of four for seconds, which keeps
+-- a retained identity under 40 bytes on disk; the identity horizon only needs day precision.
+-- No index on day: the identity horizon is applied by a bounded scan in key order (an index would cost more
+-- bytes per identity than the row itself saves).
 -- The PRIMARY KEY insert, inside BEGIN IMMEDIATE, is what arbitrates a duplicate.
 CREATE TABLE identities (
     scope_id    INTEGER NOT NULL,
     id_hash     BLOB    NOT NULL,
     fingerprint INTEGER NOT NULL,
-    at          INTEGER NOT NULL,
+    day         INTEGER NOT NULL,
     PRIMARY KEY (scope_id, id_hash)
 ) WITHOUT ROWID;
 
@@ -49,7 +53,8 @@ CREATE TABLE scope_stats (
     quarantined       INTEGER NOT NULL DEFAULT 0,
     dead_lettered     INTEGER NOT NULL DEFAULT 0,
     identities_pruned INTEGER NOT NULL DEFAULT 0,
-    payloads_pruned   INTEGER NOT NULL DEFAULT 0
+    payloads_pruned   INTEGER NOT NULL DEFAULT 0,
+    expired           INTEGER NOT NULL DEFAULT 0
 );
 
 -- Built-in key-value state for handlers. Values are CBOR. ns is the scope name unless the caller picks one.
@@ -79,6 +84,7 @@ CREATE TABLE quarantine (
 -- worker whose lease expired and was taken over cannot commit (see src/worker.rs).
 -- attempts counts handler failures only (storage errors and crashes do not consume attempts).
 -- order_key, when set, serialises the messages sharing it in seq (arrival) order.
+-- Retention prunes processed and dead-lettered rows (each after its own age); the identity row stays.
 CREATE TABLE messages (
     seq          INTEGER PRIMARY KEY,
     scope_id     INTEGER NOT NULL,
@@ -126,8 +132,9 @@ CREATE TABLE outbox (
 );
 CREATE INDEX outbox_pending ON outbox (state, seq);
 
--- Per-producer sequence watermarks (opt-in per scope): every sequence <= high is processed; exceptions holds
--- the processed sequences above high that arrived out of order.
+-- Per-producer sequence watermarks (opt-in per scope, see retention.watermarks): every sequence <= high is
+-- processed; exceptions holds the processed sequences above high + 1 that arrived out of order. Contiguous
+-- processed ranges collapse into high, so an in-order producer costs one row whatever its volume.
 CREATE TABLE watermarks (
     scope_id INTEGER NOT NULL,
     producer TEXT    NOT NULL,
@@ -141,9 +148,19 @@ CREATE TABLE watermark_exceptions (
     PRIMARY KEY (scope_id, producer, sequence)
 ) WITHOUT ROWID;
 
--- Retention bookkeeping: the newest identity time pruned per scope, so a delivery older than the horizon can be
--- flagged instead of being taken for new.
+-- Retention policy and bookkeeping per scope. Durable, so every connection and process sharing the file applies
+-- the same rules. Ages are seconds; NULL keeps forever. watermarks is fixed before the scope's first delivery.
+-- expired: what to do with a delivery sent before pruned_before whose identity is not found
+-- (0 process, 1 reject, 2 quarantine). pruned_before: every identity pruned so far was committed before this
+-- time (Unix seconds); NULL while no identity of the scope was ever pruned.
 CREATE TABLE retention (
-    scope_id      INTEGER PRIMARY KEY,
-    pruned_before INTEGER NOT NULL
+    scope_id              INTEGER PRIMARY KEY,
+    processed_payload_age INTEGER,
+    dead_letter_age       INTEGER,
+    identity_horizon      INTEGER,
+    expired               INTEGER NOT NULL DEFAULT 0 CHECK (expired IN (0, 1, 2)),
+    clock_skew            INTEGER NOT NULL DEFAULT 0,
+    watermarks            INTEGER NOT NULL DEFAULT 0 CHECK (watermarks IN (0, 1)),
+    first_sequence        INTEGER NOT NULL DEFAULT 1,
+    pruned_before         INTEGER
 );

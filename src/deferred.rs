@@ -124,9 +124,12 @@ impl Inbox {
         let now = unix_now();
         begin(&self.conn)?;
         let result = (|| -> Result<()> {
+            // The same retention rules as the strong case (watermarks, expired deliveries).
+            self.retention.refresh(&self.conn)?;
             for (i, d) in deliveries.iter().enumerate() {
                 let scope_id = scope_ids[i];
-                let outcome = match claim_identity(&self.conn, d, scope_id, now)? {
+                let rules = self.retention.rules(scope_id);
+                let outcome = match claim_identity(&self.conn, d, scope_id, rules, now)? {
                     None => store_pending(&self.conn, d, scope_id, order_key(i), now)?,
                     Some(existing) => existing,
                 };

@@ -125,13 +125,19 @@ impl Error {
     /// True when the same call may succeed later without anyone changing anything (busy, I/O hiccup,
     /// unknown commit outcome, a full disk that gets space again).
     pub fn is_retryable(&self) -> bool {
-        matches!(
-            self,
-            Error::Busy { .. }
-                | Error::DiskFull
-                | Error::CommitUnknown { .. }
-                | Error::Storage { .. }
-        )
+        match self {
+            Error::Busy { .. } | Error::DiskFull | Error::CommitUnknown { .. } => true,
+            // I/O trouble may pass; a statement error, corruption or a non-SQLite failure will not.
+            Error::Storage { code, .. } => matches!(
+                code & 0xff,
+                ffi::SQLITE_IOERR
+                    | ffi::SQLITE_NOMEM
+                    | ffi::SQLITE_PROTOCOL
+                    | ffi::SQLITE_INTERRUPT
+                    | ffi::SQLITE_CANTOPEN
+            ),
+            _ => false,
+        }
     }
 
     /// The SQLite extended result code behind this error, if any.

@@ -11,6 +11,7 @@ use crate::config::Config;
 use crate::error::{extended_code, is_unique_violation, Error, Result};
 use crate::identity::{Delivery, Fingerprint, IdHash};
 use crate::outcome::{MessageState, Outcome, Status};
+use crate::retention::{self, RetentionState, ScopeRules};
 use crate::schema;
 use crate::state::{is_storage_failure, Tx};
 
@@ -44,6 +45,7 @@ pub struct Inbox {
     scopes: HashMap<String, i64>,
     counts: Vec<Counts>,
     pub(crate) buf: RefCell<Vec<u8>>,
+    pub(crate) retention: RetentionState,
 }
 
 impl std::fmt::Debug for Inbox {
@@ -73,6 +75,7 @@ impl Inbox {
             scopes: HashMap::new(),
             counts: Vec::new(),
             buf: RefCell::new(Vec::new()),
+            retention: RetentionState::default(),
         })
     }
 
@@ -225,7 +228,11 @@ impl Inbox {
         let now = unix_now();
         self.counts.clear();
         begin(&self.conn)?;
-        let applied = self.apply_all(deliveries, handler, now, &mut emit);
+        // Per-scope retention rules, reloaded only if another connection committed since the last look.
+        let applied = self
+            .retention
+            .refresh(&self.conn)
+            .and_then(|()| self.apply_all(deliveries, handler, now, &mut emit));
         let result = applied
             .and_then(|()| flush_counts(&self.conn, &self.counts))
             .and_then(|()| commit(&self.conn));
@@ -247,7 +254,10 @@ impl Inbox {
         let failure = Cell::new(None);
         for (i, d) in deliveries.iter().enumerate() {
             let scope_id = self.scopes[d.scope];
-            let outcome = apply_one(&self.conn, d, scope_id, now, handler, &self.buf, &failure)?;
+            let rules = self.retention.rules(scope_id);
+            let outcome = apply_one(
+                &self.conn, d, scope_id, rules, now, handler, &self.buf, &failure,
+            )?;
             let counts = match self.counts.iter_mut().find(|c| c.scope_id == scope_id) {
                 Some(c) => c,
                 None => {
@@ -265,6 +275,7 @@ impl Inbox {
                 Outcome::HandlerFailed(_) => counts.handler_failures += 1,
                 // Only the receive path yields it; the strong case never does.
                 Outcome::Received => {}
+                Outcome::Expired { .. } => {} // counted by the retention module when it flagged it
             }
             emit(i, outcome);
         }
@@ -310,17 +321,19 @@ fn flush_counts(conn: &Connection, counts: &[Counts]) -> Result<()> {
 }
 
 /// One delivery inside the open transaction, in its own savepoint.
+#[allow(clippy::too_many_arguments)]
 fn apply_one<H: Handler>(
     conn: &Connection,
     d: &Delivery<'_>,
     scope_id: i64,
+    rules: &ScopeRules,
     now: i64,
     handler: &mut H,
     buf: &RefCell<Vec<u8>>,
     failure: &Cell<Option<i32>>,
 ) -> Result<Outcome> {
     conn.prepare_cached("SAVEPOINT delivery")?.execute([])?;
-    if let Some(outcome) = claim_identity(conn, d, scope_id, now)? {
+    if let Some(outcome) = claim_identity(conn, d, scope_id, rules, now)? {
         release(conn)?;
         return Ok(outcome);
     }
@@ -354,27 +367,50 @@ fn apply_one<H: Handler>(
 
 /// Inserts the identity of `d`, inside the caller's open transaction. `None`: the identity is new and now
 /// claimed (it commits or aborts with the caller's transaction). `Some`: it already existed, and the outcome
-/// says whether as a duplicate or a (now recorded) conflict. The primary key decides, never a prior query.
+/// says whether as a duplicate or a (now recorded) conflict; or ([`Outcome::Expired`]) it is not found but older
+/// than the scope's pruned identity horizon, and was not claimed. The primary key decides, never a prior query.
+///
+/// `rules` are the scope's cached retention rules ([`RetentionState::rules`], refreshed inside the same write
+/// transaction). A scope with sequence watermarks records numbered deliveries as watermarks, not identity rows.
 pub(crate) fn claim_identity(
     conn: &Connection,
     d: &Delivery<'_>,
     scope_id: i64,
+    rules: &ScopeRules,
     now: i64,
 ) -> Result<Option<Outcome>> {
+    if let (Some(first), Some(producer), Some(seq)) =
+        (rules.watermark_first(), d.producer, d.sequence)
+    {
+        if seq >= first {
+            return crate::watermark::claim(conn, scope_id, producer, seq, first as i64);
+        }
+    }
     let id_hash = d.id_hash();
     let fingerprint = d.fingerprint();
     let inserted = conn
         .prepare_cached(
-            "INSERT INTO identities (scope_id, id_hash, fingerprint, at) VALUES (?1, ?2, ?3, ?4)",
+            "INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, ?3, ?4)",
         )?
-        .execute((scope_id, &id_hash.0[..], fingerprint.to_sql(), now));
+        .execute((
+            scope_id,
+            &id_hash.0[..],
+            fingerprint.to_sql(),
+            identity_day(now),
+        ));
     match inserted {
-        Ok(_) => Ok(None),
+        Ok(_) => retention::check_new_identity(conn, d, scope_id, now, rules),
         Err(e) if is_unique_violation(&e) => {
             existing(conn, d, scope_id, &id_hash, fingerprint, now).map(Some)
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// The time an identity row keeps: whole days since the Unix epoch (enough for retention, and it keeps the
+/// row small).
+pub(crate) fn identity_day(unix_seconds: i64) -> i64 {
+    unix_seconds.div_euclid(86_400)
 }
 
 pub(crate) fn release(conn: &Connection) -> Result<()> {
@@ -481,7 +517,7 @@ pub(crate) fn status(
     let id_hash = IdHash::of(producer, message_id);
     let row = conn
         .prepare_cached(
-            "SELECT i.fingerprint, i.at, m.state FROM identities i JOIN scopes s ON s.id = i.scope_id \
+            "SELECT i.fingerprint, i.day * 86400, m.state FROM identities i JOIN scopes s ON s.id = i.scope_id \
              LEFT JOIN messages m ON m.scope_id = i.scope_id AND m.id_hash = i.id_hash \
              WHERE s.name = ?1 AND i.id_hash = ?2",
         )?

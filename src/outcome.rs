@@ -29,16 +29,35 @@ pub enum Outcome {
     /// its payload as a *pending* message. Nothing has been applied yet, but a durable obligation to process
     /// it exists, so it may be acked; a worker applies it later.
     Received,
+    /// The identity was not found, but the delivery was sent before the scope's pruned identity horizon
+    /// ([`Inbox::pruned_before`](crate::Inbox::pruned_before)): it may be a repetition whose identity was
+    /// pruned, so by the scope's [`ExpiredPolicy`](crate::ExpiredPolicy) it was not applied and no identity was
+    /// recorded. Never reported as a duplicate. Counted durably (`expired`).
+    Expired {
+        /// The delivery's [`Delivery::sent_at`](crate::Delivery::sent_at).
+        sent_at: i64,
+        /// The scope's pruned horizon when it was judged.
+        pruned_before: i64,
+        /// The `quarantine` row that keeps it ([`ExpiredPolicy::Quarantine`](crate::ExpiredPolicy::Quarantine)),
+        /// or `None` when it was rejected.
+        quarantined: Option<i64>,
+    },
 }
 
 impl Outcome {
     /// True when the delivery may be acknowledged: its fate is durably recorded (processed, recognised as a
-    /// duplicate, or recorded as a conflict). False for a handler failure, which nothing durable covers.
+    /// duplicate, recorded as a conflict, or quarantined as expired). False for a handler failure and a rejected
+    /// expired delivery, which nothing durable covers.
     pub fn may_ack(&self) -> bool {
-        !matches!(self, Outcome::HandlerFailed(_))
+        match self {
+            Outcome::HandlerFailed(_) => false,
+            Outcome::Expired { quarantined, .. } => quarantined.is_some(),
+            _ => true,
+        }
     }
 
-    /// A short lower-case name: `processed`, `duplicate`, `conflict`, `handler-failed` or `received`.
+    /// A short lower-case name: `processed`, `duplicate`, `conflict`, `handler-failed`, `received` or
+    /// `expired`.
     pub fn name(&self) -> &'static str {
         match self {
             Outcome::Processed => "processed",
@@ -46,6 +65,7 @@ impl Outcome {
             Outcome::Conflict { .. } => "conflict",
             Outcome::HandlerFailed(_) => "handler-failed",
             Outcome::Received => "received",
+            Outcome::Expired { .. } => "expired",
         }
     }
 }
@@ -60,7 +80,7 @@ pub enum Status {
     Recorded {
         /// Fingerprint of the committed content.
         fingerprint: Fingerprint,
-        /// Commit time, Unix seconds.
+        /// Commit time, Unix seconds, rounded down to the UTC day (identities keep day precision to stay compact).
         at: i64,
         /// State of the stored message body, when one is kept (received-then-deferred mode).
         state: Option<MessageState>,

@@ -26,6 +26,9 @@ pub struct ScopeStats {
     pub identities_pruned: u64,
     /// Payloads deleted by retention.
     pub payloads_pruned: u64,
+    /// Deliveries without a found identity that were sent before the pruned identity horizon (whatever the
+    /// scope's expired policy did with them).
+    pub expired: u64,
 }
 
 impl Inbox {
@@ -40,7 +43,7 @@ pub(crate) fn scope_stats(conn: &Connection, scope: &str) -> Result<ScopeStats> 
     let row = conn
         .prepare_cached(
             "SELECT processed, duplicates, conflicts, handler_failures, quarantined, dead_lettered, \
-             identities_pruned, payloads_pruned FROM scope_stats st JOIN scopes s ON s.id = st.scope_id \
+             identities_pruned, payloads_pruned, expired FROM scope_stats st JOIN scopes s ON s.id = st.scope_id \
              WHERE s.name = ?1",
         )?
         .query_row([scope], |r| {
@@ -53,6 +56,7 @@ pub(crate) fn scope_stats(conn: &Connection, scope: &str) -> Result<ScopeStats> 
                 dead_lettered: r.get::<_, i64>(5)? as u64,
                 identities_pruned: r.get::<_, i64>(6)? as u64,
                 payloads_pruned: r.get::<_, i64>(7)? as u64,
+                expired: r.get::<_, i64>(8)? as u64,
             })
         })
         .optional()?;

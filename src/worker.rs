@@ -595,9 +595,14 @@ fn apply_claims<H: Handler>(
         // A body moved here by a dead-letter path may lack its identity (a failed strong-case attempt rolls it
         // back): restore it, so a redelivery after this commit is a duplicate.
         conn.prepare_cached(
-            "INSERT OR IGNORE INTO identities (scope_id, id_hash, fingerprint, at) VALUES (?1, ?2, ?3, ?4)",
+            "INSERT OR IGNORE INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, ?3, ?4)",
         )?
-        .execute((scope_id, &c.id_hash.0[..], Fingerprint::of(&c.topic, &c.payload).to_sql(), now))?;
+        .execute((
+            scope_id,
+            &c.id_hash.0[..],
+            Fingerprint::of(&c.topic, &c.payload).to_sql(),
+            crate::inbox::identity_day(now),
+        ))?;
 
         failure.set(None);
         let mut tx = Tx::new(conn, scope, scope_id, now, buf, &failure);

@@ -1,0 +1,374 @@
+//! Retention benchmark: bytes on disk per retained identity, watermark space for numbered producers, and the
+//! consumer's commit latency while a large prune runs on the same file.
+//!
+//! ```text
+//! cargo run --release --example retention_bench            # full sizes (a few minutes)
+//! cargo run --release --example retention_bench -- --small # a tenth of the sizes
+//! cargo run --release --example retention_bench -- --dir /path/on/the/target/disk
+//! ```
+//!
+//! The fills use `synchronous=NORMAL` and large group-commit batches to keep them quick; they measure space,
+//! not speed. The latency part uses the default `synchronous=FULL` for the consumer, as in production.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use edge_inbox::{Config, Delivery, IdHash, Inbox, Pruning, RetentionPolicy, Synchronous, Tx};
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let small = args.iter().any(|a| a == "--small");
+    let div = if small { 10 } else { 1 };
+    let base: PathBuf = match args.iter().position(|a| a == "--dir") {
+        Some(i) => PathBuf::from(&args[i + 1]),
+        None => std::env::current_dir()?,
+    };
+    let dir = tempfile::tempdir_in(&base)?;
+    let only: Option<&str> = args
+        .iter()
+        .position(|a| a == "--only")
+        .map(|i| args[i + 1].as_str());
+
+    let mut rows: Vec<(String, String, String)> = Vec::new();
+    if only.is_none_or(|o| o == "identities") {
+        identities(
+            &dir.path().join("identities.db"),
+            1_000_000 / div,
+            &mut rows,
+        )?;
+    }
+    if only.is_none_or(|o| o == "watermarks") {
+        watermarks(
+            &dir.path().join("watermarks.db"),
+            10_000_000 / div,
+            100,
+            &mut rows,
+        )?;
+    }
+    if only.is_none_or(|o| o == "latency") {
+        latency(&dir.path().join("latency.db"), 1_000_000 / div, &mut rows)?;
+    }
+    println!();
+    println!("| measure | value | target |");
+    println!("|---|---|---|");
+    for (m, v, t) in rows {
+        println!("| {m} | {v} | {t} |");
+    }
+    Ok(())
+}
+
+fn on_disk(path: &Path) -> u64 {
+    let wal = PathBuf::from(format!("{}-wal", path.display()));
+    std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
+        + std::fs::metadata(wal).map(|m| m.len()).unwrap_or(0)
+}
+
+fn fill_config() -> Config {
+    Config::default().synchronous(Synchronous::Normal)
+}
+
+/// An id of 20 to 40 bytes.
+fn message_id(i: usize, out: &mut String) {
+    use std::fmt::Write;
+    out.clear();
+    let pad = 6 + (i * 7919) % 21; // 6..=26 extra bytes
+    write!(out, "evt-{i:010}-").unwrap();
+    for _ in 0..pad {
+        out.push('x');
+    }
+}
+
+fn identities(
+    path: &Path,
+    n: usize,
+    rows: &mut Vec<(String, String, String)>,
+) -> anyhow::Result<()> {
+    eprintln!("identities: filling {n} processed deliveries with stored payloads ...");
+    let mut inbox = Inbox::open(path, fill_config())?;
+    inbox.scope_id("another-consumer")?; // the measured scope gets a one-byte id, as most real ones
+    let scope = "inventory-reservation";
+    inbox.set_retention(
+        scope,
+        &RetentionPolicy::new().processed_payloads(Duration::ZERO),
+    )?;
+    let payload = vec![b'p'; 120];
+    let batch = 10_000;
+    let mut ids: Vec<String> = vec![String::new(); batch];
+    let mut id_bytes = 0usize;
+    let started = Instant::now();
+    let mut store = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        // What the received-then-deferred mode leaves behind: the processed body.
+        tx.sql()
+            .prepare_cached(
+                "INSERT INTO messages (scope_id, id_hash, producer, message_id, topic, payload, state, received_at, \
+                 finished_at) VALUES (?1, ?2, NULL, ?3, ?4, ?5, 1, ?6, ?6)",
+            )?
+            .execute((tx.scope_id(), &d.id_hash().0[..], d.message_id, d.topic, d.payload, tx.now()))?;
+        Ok(())
+    };
+    let mut outcomes = Vec::with_capacity(batch);
+    let mut i = 0;
+    while i < n {
+        let m = batch.min(n - i);
+        for (k, s) in ids.iter_mut().take(m).enumerate() {
+            message_id(i + k, s);
+            id_bytes += s.len();
+        }
+        let deliveries: Vec<Delivery<'_>> = ids[..m]
+            .iter()
+            .map(|id| Delivery::new(scope, id, "orders/created", &payload))
+            .collect();
+        inbox.process_batch_into(&deliveries, &mut store, &mut outcomes)?;
+        i += m;
+    }
+    inbox
+        .connection()
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+    let before = on_disk(path);
+    eprintln!(
+        "  filled in {:.1?}: {} bytes on disk",
+        started.elapsed(),
+        before
+    );
+
+    let started = Instant::now();
+    let report = inbox.prune(
+        &Pruning::default()
+            .batch(5_000)
+            .vacuum_pages(4_096)
+            .pause(Duration::ZERO),
+    )?;
+    eprintln!("  pruned in {:.1?}: {report:?}", started.elapsed());
+    let after = on_disk(path);
+    let (pages, page_size, free): (i64, i64, i64) = inbox.connection().query_row(
+        "SELECT (SELECT page_count FROM pragma_page_count), (SELECT page_size FROM pragma_page_size), \
+         (SELECT freelist_count FROM pragma_freelist_count)",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+    )?;
+    let left: i64 = inbox
+        .connection()
+        .query_row("SELECT count(*) FROM identities", [], |r| r.get(0))?;
+    assert_eq!(left as usize, n);
+    let per = after as f64 / n as f64;
+    eprintln!(
+        "  after prune + vacuum + checkpoint: {after} bytes ({pages} pages of {page_size}, {free} free) = {per:.2} B/identity"
+    );
+    // Row estimate: header 5 + scope 1 + hash 16 + fingerprint 8 + day 2, plus 1 length byte and a 2-byte slot.
+    rows.push((
+        format!(
+            "bytes on disk per identity, {n} ids of 20-40 B (mean {:.1} B), payloads pruned",
+            id_bytes as f64 / n as f64
+        ),
+        format!(
+            "{per:.2} (before pruning {:.1}; row estimate 35 + B-tree fill)",
+            before as f64 / n as f64
+        ),
+        "<= 40".into(),
+    ));
+    Ok(())
+}
+
+fn watermarks(
+    path: &Path,
+    n: usize,
+    producers: usize,
+    rows: &mut Vec<(String, String, String)>,
+) -> anyhow::Result<()> {
+    eprintln!("watermarks: {n} in-order messages from {producers} producers ...");
+    let mut inbox = Inbox::open(path, fill_config())?;
+    let scope = "telemetry";
+    inbox.set_retention(scope, &RetentionPolicy::new().sequence_watermarks(1))?;
+    let names: Vec<String> = (0..producers).map(|p| format!("sensor-{p:03}")).collect();
+    let batch = 10_000;
+    let mut ids: Vec<String> = vec![String::new(); batch];
+    let mut meta: Vec<(usize, u64)> = vec![(0, 0); batch];
+    let mut next = vec![1u64; producers];
+    let mut outcomes = Vec::with_capacity(batch);
+    let mut noop = |_: &mut Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> { Ok(()) };
+    let started = Instant::now();
+    let mut i = 0;
+    while i < n {
+        let m = batch.min(n - i);
+        for k in 0..m {
+            let p = (i + k) % producers;
+            meta[k] = (p, next[p]);
+            next[p] += 1;
+            ids[k].clear();
+            use std::fmt::Write;
+            write!(ids[k], "{}-{}", names[p], meta[k].1).unwrap();
+        }
+        let deliveries: Vec<Delivery<'_>> = (0..m)
+            .map(|k| {
+                Delivery::new(scope, &ids[k], "telemetry/reading", b"{\"t\":21.5}")
+                    .with_producer(&names[meta[k].0])
+                    .with_sequence(meta[k].1)
+            })
+            .collect();
+        inbox.process_batch_into(&deliveries, &mut noop, &mut outcomes)?;
+        i += m;
+    }
+    let fill = started.elapsed();
+    inbox
+        .connection()
+        .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+    let size = on_disk(path);
+    let stats = inbox.scope_stats(scope)?;
+    assert_eq!(stats.processed as usize, n);
+    let w = inbox.watermark(scope, &names[0])?;
+    eprintln!(
+        "  filled in {fill:.1?} ({:.0}/s); {size} bytes; producer 0 at {:?}",
+        n as f64 / fill.as_secs_f64(),
+        w.high
+    );
+    rows.push((
+        format!(
+            "file size, {n} processed messages from {producers} in-order producers (watermarks)"
+        ),
+        format!("{:.1} KiB", size as f64 / 1024.0),
+        "< 1024 KiB".into(),
+    ));
+    Ok(())
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Commits one delivery at a time (synchronous=FULL) until `stop`, pausing `gap` between them.
+fn consume(
+    path: &Path,
+    prefix: &str,
+    stop: &AtomicBool,
+    min: usize,
+    gap: Duration,
+) -> anyhow::Result<Vec<Duration>> {
+    let mut inbox = Inbox::open(path, Config::default())?;
+    let mut lat = Vec::new();
+    let mut id = String::new();
+    let payload = b"{\"order\":1}";
+    let noop = |_: &mut Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> { Ok(()) };
+    while !stop.load(Ordering::SeqCst) || lat.len() < min {
+        id.clear();
+        use std::fmt::Write;
+        write!(id, "{prefix}-{}", lat.len())?;
+        let d = Delivery::new("consumer", &id, "orders", payload);
+        let t = Instant::now();
+        inbox.process(&d, noop)?;
+        lat.push(t.elapsed());
+        std::thread::sleep(gap);
+    }
+    Ok(lat)
+}
+
+fn latency(path: &Path, n: usize, rows: &mut Vec<(String, String, String)>) -> anyhow::Result<()> {
+    eprintln!("latency: preparing {n} old processed messages ...");
+    {
+        let mut inbox = Inbox::open(path, fill_config())?;
+        let scope = "history";
+        inbox.set_retention(
+            scope,
+            &RetentionPolicy::new().processed_payloads(Duration::from_secs(3_600)),
+        )?;
+        let scope_id = inbox.scope_id(scope)?;
+        inbox.scope_id("consumer")?;
+        let conn = inbox.connection();
+        let mut i = 0;
+        let mut id = String::new();
+        while i < n {
+            conn.execute_batch("BEGIN")?;
+            {
+                let mut msg = conn.prepare_cached(
+                    "INSERT INTO messages (scope_id, id_hash, message_id, topic, payload, state, received_at, \
+                     finished_at) VALUES (?1, ?2, ?3, 'orders', zeroblob(120), 1, 0, 0)",
+                )?;
+                let mut ident = conn.prepare_cached(
+                    "INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, 0, 0)",
+                )?;
+                for k in i..(i + 10_000).min(n) {
+                    message_id(k, &mut id);
+                    let h = IdHash::of(None, &id);
+                    msg.execute((scope_id, &h.0[..], &id))?;
+                    ident.execute((scope_id, &h.0[..]))?;
+                }
+            }
+            conn.execute_batch("COMMIT")?;
+            i += 10_000;
+        }
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+    }
+    let gap = Duration::from_millis(2);
+    let samples = 3_000;
+
+    eprintln!("  baseline: {samples} single-delivery commits, no pruning ...");
+    let stop = AtomicBool::new(true);
+    let mut base = consume(path, "base", &stop, samples, gap)?;
+    base.sort_unstable();
+
+    eprintln!("  the same consumer while another connection prunes {n} rows ...");
+    let stop = Arc::new(AtomicBool::new(false));
+    let pruner = {
+        let (path, stop) = (path.to_owned(), stop.clone());
+        std::thread::spawn(
+            move || -> anyhow::Result<(edge_inbox::PruneReport, Duration)> {
+                // Default settings: prune_step itself skips the per-step fsync (a lost step is simply redone).
+                let mut inbox = Inbox::open(&path, Config::default())?;
+                let t = Instant::now();
+                let total = inbox.prune(&Pruning::default())?;
+                stop.store(true, Ordering::SeqCst);
+                Ok((total, t.elapsed()))
+            },
+        )
+    };
+    let mut during = consume(path, "during", &stop, samples, gap)?;
+    let (report, took) = pruner.join().expect("pruner thread")?;
+    // The machine is shared and noisy: measure the baseline again after the prune and pool both halves.
+    eprintln!("  baseline again after the prune ...");
+    let stop = AtomicBool::new(true);
+    base.extend(consume(path, "after", &stop, samples, gap)?);
+    base.sort_unstable();
+    during.sort_unstable();
+    assert_eq!(report.payloads_pruned as usize, n);
+    eprintln!("  prune: {report:?} in {took:.1?}");
+
+    let (b99, d99) = (percentile(&base, 0.99), percentile(&during, 0.99));
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    eprintln!(
+        "  baseline p50 {:.2} ms p99 {:.2} ms max {:.2} ms ({} commits); during prune p50 {:.2} ms p99 {:.2} ms max {:.2} ms ({} commits)",
+        ms(percentile(&base, 0.5)),
+        ms(b99),
+        ms(*base.last().unwrap()),
+        base.len(),
+        ms(percentile(&during, 0.5)),
+        ms(d99),
+        ms(*during.last().unwrap()),
+        during.len()
+    );
+    rows.push((
+        "consumer commit p99, no pruning (synchronous=FULL, one delivery per commit)".into(),
+        format!(
+            "{:.2} ms (p50 {:.2} ms, {} commits)",
+            ms(b99),
+            ms(percentile(&base, 0.5)),
+            base.len()
+        ),
+        String::new(),
+    ));
+    rows.push((
+        format!(
+            "consumer commit p99 while pruning {n} rows (prune took {took:.1?}, {} steps)",
+            report.steps
+        ),
+        format!(
+            "{:.2} ms (p50 {:.2} ms, {} commits) = {:.2}x",
+            ms(d99),
+            ms(percentile(&during, 0.5)),
+            during.len(),
+            ms(d99) / ms(b99)
+        ),
+        "<= 2x baseline".into(),
+    ));
+    Ok(())
+}

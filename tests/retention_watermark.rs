@@ -1,0 +1,235 @@
+//! Sequence watermarks: exact deduplication under reordering, repeats and handler failures, in O(producers)
+//! space.
+
+use std::collections::HashSet;
+
+use edge_inbox::{Config, Delivery, Error, Inbox, Outcome, RetentionPolicy, Synchronous};
+use proptest::prelude::*;
+
+fn cases() -> u32 {
+    let scale: f64 = std::env::var("EDGE_INBOX_TEST_SCALE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1.0);
+    ((24.0 * scale).round() as u32).max(2)
+}
+
+const PRODUCERS: [&str; 3] = ["sensor-a", "sensor-b", "sensor-c"];
+
+/// One offered delivery: producer index, sequence, and whether the handler refuses it this time.
+type Offer = (usize, u64, bool);
+
+fn offers() -> impl Strategy<Value = (Vec<Offer>, Vec<usize>)> {
+    (
+        prop::collection::vec(1u64..40, 3),
+        prop::collection::vec(1usize..12, 1..20),
+    )
+        .prop_flat_map(|(lens, batches)| {
+            let mut all: Vec<(usize, u64)> = Vec::new();
+            for (p, n) in lens.iter().enumerate() {
+                all.extend((1..=*n).map(|s| (p, s)));
+            }
+            let len = all.len();
+            // Every sequence at least once, some twice or more; shuffled; some refused by the handler.
+            (
+                Just(all),
+                prop::collection::vec((0..len, any::<bool>()), 0..len),
+                prop::collection::vec(prop::bool::weighted(0.1), len * 2 + 1),
+                Just(batches),
+            )
+                .prop_flat_map(|(all, repeats, fails, batches)| {
+                    let mut list: Vec<Offer> = all.iter().map(|&(p, s)| (p, s, false)).collect();
+                    for (i, _) in &repeats {
+                        let (p, s) = all[*i];
+                        list.push((p, s, false));
+                    }
+                    for (o, f) in list.iter_mut().zip(&fails) {
+                        o.2 = *f;
+                    }
+                    // A refused offer must come back later, so every sequence ends up processed.
+                    let retries: Vec<Offer> = list
+                        .iter()
+                        .filter(|o| o.2)
+                        .map(|&(p, s, _)| (p, s, false))
+                        .collect();
+                    (Just(list).prop_shuffle(), Just(retries), Just(batches))
+                })
+                .prop_map(|(mut list, retries, batches)| {
+                    list.extend(retries);
+                    (list, batches)
+                })
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn watermark_dedup_is_exact((list, batches) in offers()) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default().synchronous(Synchronous::Normal)).unwrap();
+        let scope = "telemetry";
+        inbox.set_retention(scope, &RetentionPolicy::new().sequence_watermarks(1)).unwrap();
+
+        let ids: Vec<String> = list.iter().map(|(p, s, _)| format!("{}-{s}", PRODUCERS[*p])).collect();
+        let mut done: HashSet<(usize, u64)> = HashSet::new();
+        let mut effects: Vec<(usize, u64)> = Vec::new();
+        let mut at = 0;
+        let mut b = 0;
+        while at < list.len() {
+            let n = batches[b % batches.len()].min(list.len() - at);
+            b += 1;
+            let chunk = &list[at..at + n];
+            let deliveries: Vec<Delivery<'_>> = chunk
+                .iter()
+                .zip(&ids[at..at + n])
+                .map(|((p, s, fail), id)| {
+                    // The refusal travels in the payload (watermark scopes keep no fingerprint, so it is free).
+                    let payload: &[u8] = if *fail { b"refuse" } else { b"ok" };
+                    Delivery::new(scope, id, "t", payload).with_producer(PRODUCERS[*p]).with_sequence(*s)
+                })
+                .collect();
+            let mut applied = Vec::new();
+            let outcomes = inbox
+                .process_batch(&deliveries, |_: &mut edge_inbox::Tx<'_>, d: &Delivery<'_>| {
+                    if d.payload == b"refuse" {
+                        anyhow::bail!("refused");
+                    }
+                    let p = PRODUCERS.iter().position(|n| Some(*n) == d.producer).unwrap();
+                    applied.push((p, d.sequence.unwrap()));
+                    Ok(())
+                })
+                .unwrap();
+            // The handler is only called for deliveries that got past the claim: walk the outcomes in order.
+            let mut expected_new = Vec::new();
+            for ((p, s, fail), o) in chunk.iter().zip(&outcomes) {
+                let new = !done.contains(&(*p, *s));
+                match o {
+                    Outcome::Processed => {
+                        prop_assert!(new && !fail, "{p}/{s} processed twice");
+                        done.insert((*p, *s));
+                        expected_new.push((*p, *s));
+                    }
+                    Outcome::Duplicate => prop_assert!(!new, "{p}/{s} new but reported duplicate"),
+                    Outcome::HandlerFailed(_) => prop_assert!(new && *fail),
+                    other => prop_assert!(false, "unexpected {other:?}"),
+                }
+            }
+            prop_assert_eq!(&applied, &expected_new);
+            effects.extend(applied);
+            at += n;
+        }
+        // Every sequence exactly once; the marks collapsed to one row per producer.
+        let mut sorted = effects.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        prop_assert_eq!(sorted.len(), effects.len());
+        prop_assert_eq!(effects.len(), done.len());
+        for (p, name) in PRODUCERS.iter().enumerate() {
+            let max = done.iter().filter(|(q, _)| *q == p).map(|(_, s)| *s).max();
+            let w = inbox.watermark(scope, name).unwrap();
+            prop_assert_eq!(w.high, max);
+            prop_assert!(w.exceptions.is_empty(), "{:?}", w.exceptions);
+        }
+        let rows: i64 = inbox.connection().query_row("SELECT count(*) FROM identities", [], |r| r.get(0)).unwrap();
+        prop_assert_eq!(rows, 0, "no identity rows for numbered deliveries");
+    }
+}
+
+#[test]
+fn out_of_order_sequences_wait_as_exceptions_then_fold() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    let scope = "telemetry";
+    inbox
+        .set_retention(scope, &RetentionPolicy::new().sequence_watermarks(0))
+        .unwrap();
+    let ok = |_: &mut edge_inbox::Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> { Ok(()) };
+    let d = |s: u64| {
+        Delivery::new(scope, "ignored-for-numbered", "t", b"x")
+            .with_producer("p")
+            .with_sequence(s)
+    };
+    for s in [0, 1, 4, 5, 3] {
+        assert!(
+            matches!(inbox.process(&d(s), ok).unwrap(), Outcome::Processed),
+            "{s}"
+        );
+    }
+    let w = inbox.watermark(scope, "p").unwrap();
+    assert_eq!((w.high, w.exceptions), (Some(1), vec![3, 4, 5]));
+    for s in [0, 1, 3, 4, 5] {
+        assert!(
+            matches!(inbox.process(&d(s), ok).unwrap(), Outcome::Duplicate),
+            "{s}"
+        );
+    }
+    assert!(matches!(
+        inbox.process(&d(2), ok).unwrap(),
+        Outcome::Processed
+    ));
+    let w = inbox.watermark(scope, "p").unwrap();
+    assert_eq!((w.high, w.exceptions), (Some(5), vec![]));
+    // Another connection on the same file sees the marks.
+    let mut other = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    assert!(matches!(
+        other.process(&d(2), ok).unwrap(),
+        Outcome::Duplicate
+    ));
+    assert!(matches!(
+        other.process(&d(6), ok).unwrap(),
+        Outcome::Processed
+    ));
+    // Without a producer or a sequence, identity rows apply as usual.
+    let plain = Delivery::new(scope, "plain", "t", b"x");
+    assert!(matches!(
+        inbox.process(&plain, ok).unwrap(),
+        Outcome::Processed
+    ));
+    assert!(matches!(
+        inbox.process(&plain, ok).unwrap(),
+        Outcome::Duplicate
+    ));
+}
+
+#[test]
+fn watermarks_cannot_be_switched_on_a_used_scope() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    let ok = |_: &mut edge_inbox::Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> { Ok(()) };
+    inbox
+        .process(&Delivery::new("orders", "a", "t", b"x"), ok)
+        .unwrap();
+    let err = inbox
+        .set_retention("orders", &RetentionPolicy::new().sequence_watermarks(1))
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // A versioned scope can.
+    inbox
+        .set_retention(
+            &edge_inbox::versioned_scope("orders", 2),
+            &RetentionPolicy::new().sequence_watermarks(1),
+        )
+        .unwrap();
+    // And a used watermark scope cannot switch back to identity rows.
+    inbox
+        .set_retention("t@1", &RetentionPolicy::new().sequence_watermarks(1))
+        .unwrap();
+    inbox
+        .process(
+            &Delivery::new("t@1", "a", "t", b"x")
+                .with_producer("p")
+                .with_sequence(1),
+            ok,
+        )
+        .unwrap();
+    assert!(inbox.set_retention("t@1", &RetentionPolicy::new()).is_err());
+    assert!(inbox
+        .set_retention(
+            "t@1",
+            &RetentionPolicy::new()
+                .sequence_watermarks(1)
+                .processed_payloads(std::time::Duration::ZERO)
+        )
+        .is_ok());
+}
