@@ -264,8 +264,9 @@ fn interleaved_ratios() {
 fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
-    print_ratios();
+    // `cargo test --benches` runs each benchmark once: no figures worth printing.
     if std::env::args().any(|a| a == "--bench") {
+        print_ratios();
         interleaved_ratios();
     }
 }
