@@ -585,3 +585,36 @@ fn receive_n_from(inbox: &mut edge_inbox::Inbox, start: usize, n: usize) {
         ));
     }
 }
+
+#[test]
+fn worker_survives_a_panicking_handler_and_commits_nothing_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = open(&path);
+    receive_n(&mut inbox, 3);
+    let mut w = worker(
+        &path,
+        WorkerConfig::default().lease(Duration::from_millis(1)),
+    );
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        w.run_once(
+            &mut |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+                count_effect(tx, d)?;
+                if d.message_id == "m-1" {
+                    panic!("handler bug");
+                }
+                Ok(())
+            },
+        )
+    }));
+    assert!(panicked.is_err());
+    // The same worker goes on; the interrupted batch left no effect and no state change behind.
+    std::thread::sleep(Duration::from_millis(20)); // let the 1 ms leases of the interrupted claim expire
+    let mut total = 0;
+    until("drain", Duration::from_secs(30), || {
+        total += w.run_once(&mut count_effect).unwrap().processed;
+        total == 3
+    });
+    assert_eq!(effects(&inbox), (3, 3, 1));
+    assert_eq!(states(&inbox), [0, 3, 0, 0]);
+}
