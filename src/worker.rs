@@ -314,6 +314,7 @@ impl Worker {
             return Ok(claims);
         }
         let conn = &self.inbox.conn;
+        abandon_leftover(conn);
         // A claim need not survive a power cut: lost, it only makes its messages claimable again, and the
         // apply transaction's fsync covers the claim's WAL frames anyway. So it commits without an fsync of its
         // own, and the connection is put back (and checked) before anything else runs on it.
@@ -383,6 +384,7 @@ impl Worker {
             return Ok(());
         }
         let conn = &self.inbox.conn;
+        abandon_leftover(conn);
         begin(conn)?;
         let result = apply_claims(
             conn,
@@ -416,6 +418,7 @@ impl Worker {
     /// happened meanwhile: only rows still open and leased to these very claims are touched.
     pub fn release(&mut self, claims: &[Claim]) -> Result<()> {
         let conn = &self.inbox.conn;
+        abandon_leftover(conn);
         begin(conn)?;
         let result = (|| -> Result<()> {
             let mut stmt = conn.prepare_cached(
@@ -542,6 +545,15 @@ fn claim_rows(
         let _ = conn.execute_batch("ROLLBACK");
     }
     result
+}
+
+/// Rolls back a transaction left open by a handler that panicked (and was caught) in an earlier call, so the
+/// worker stays usable; that transaction committed nothing.
+fn abandon_leftover(conn: &Connection) {
+    if !conn.is_autocommit() {
+        log::warn!("rolling back a transaction left open by an earlier, interrupted call");
+        let _ = conn.execute_batch("ROLLBACK");
+    }
 }
 
 /// Sleeps up to `d`, waking early when `stop` is set.

@@ -237,3 +237,24 @@ fn order_key_is_validated() {
         .unwrap();
     assert_eq!(key.as_deref(), Some("order-7"));
 }
+
+#[test]
+fn empty_payload_is_stored_and_processed_not_mistaken_for_pruned() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = open(&path);
+    let d = Delivery::new(SCOPE, "ping", "t/ping", b"")
+        .with_sequence(7)
+        .with_sent_at(1_700_000_000);
+    assert!(matches!(inbox.receive(&d).unwrap(), Outcome::Received));
+    let mut worker = Worker::new(open(&path), SCOPE, WorkerConfig::default()).unwrap();
+    let mut seen = None;
+    let drained = worker
+        .run_once(&mut |tx: &mut edge_inbox::Tx<'_>, got: &Delivery<'_>| {
+            seen = Some((got.payload.len(), got.sequence, got.sent_at));
+            count_effect(tx, got)
+        })
+        .unwrap();
+    assert_eq!(drained.processed, 1);
+    assert_eq!(seen, Some((0, Some(7), Some(1_700_000_000))));
+}

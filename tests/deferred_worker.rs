@@ -585,3 +585,38 @@ fn receive_n_from(inbox: &mut edge_inbox::Inbox, start: usize, n: usize) {
         ));
     }
 }
+
+#[test]
+fn worker_survives_a_panicking_handler_and_commits_nothing_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = open(&path);
+    receive_n(&mut inbox, 3);
+    let mut w = worker(
+        &path,
+        WorkerConfig::default().lease(Duration::from_secs(3600)),
+    );
+    let claims = w.claim(10).unwrap();
+    assert_eq!(claims.len(), 3);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        w.complete(&claims, &mut |tx: &mut Tx<'_>,
+                                  d: &Delivery<'_>|
+         -> anyhow::Result<()> {
+            count_effect(tx, d)?;
+            if d.message_id == "m-1" {
+                panic!("handler bug");
+            }
+            Ok(())
+        })
+    }));
+    assert!(panicked.is_err());
+    // The same worker goes on with the same (still leased) claims; the interrupted batch left no effect and no
+    // state change behind.
+    let done = w.complete(&claims, &mut count_effect).unwrap();
+    assert!(
+        done.iter().all(|c| matches!(c, Completion::Processed)),
+        "{done:?}"
+    );
+    assert_eq!(effects(&inbox), (3, 3, 1));
+    assert_eq!(states(&inbox), [0, 3, 0, 0]);
+}
