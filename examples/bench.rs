@@ -265,12 +265,15 @@ struct Contender {
     elapsed: Duration,
 }
 
+/// The handler of an inbox row, chosen at run time.
+type BoxedHandler = Box<dyn FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()>>;
+
 enum Store {
-    Fsync(FsyncFile),
+    Fsync(Box<FsyncFile>),
     Raw(Raw),
     Inbox {
-        inbox: Inbox,
-        handler: Box<dyn FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()>>,
+        inbox: Box<Inbox>,
+        handler: BoxedHandler,
         outcomes: Vec<Outcome>,
     },
     Peer(Peer),
@@ -286,18 +289,17 @@ impl Contender {
         let warm = WARM_UP.div_ceil(row.batch()).max(4) * row.batch();
         let ids = ids(&format!("r{round}"), warm + slice_len * SLICES);
         let store = match row {
-            Row::Fsync => Store::Fsync(FsyncFile::create(&path)?),
+            Row::Fsync => Store::Fsync(Box::new(FsyncFile::create(&path)?)),
             Row::Raw1 | Row::Raw16 | Row::Raw256 => Store::Raw(Raw::open(&path, Sync::Full)?),
             Row::Naive | Row::Classic => Store::Peer(Peer::open(&path, Sync::Full)?),
             Row::Batch256VsClassic => unreachable!("derived from Batch256"),
             _ => {
                 let mut inbox = open_inbox(&path, Sync::Full)?;
-                let mut handler: Box<dyn FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()>> =
-                    if row == Row::ProcessNoop {
-                        Box::new(noop_handler)
-                    } else {
-                        Box::new(kv_handler())
-                    };
+                let mut handler: BoxedHandler = if row == Row::ProcessNoop {
+                    Box::new(noop_handler)
+                } else {
+                    Box::new(kv_handler())
+                };
                 let mut outcomes = Vec::with_capacity(256);
                 if matches!(row, Row::Duplicate | Row::Conflict) {
                     // Committed before the clock runs: these rows measure the redelivery only.
@@ -305,7 +307,7 @@ impl Contender {
                     process_batches(&mut inbox, &ds, 256, &mut handler, &mut outcomes)?;
                 }
                 Store::Inbox {
-                    inbox,
+                    inbox: Box::new(inbox),
                     handler,
                     outcomes,
                 }
