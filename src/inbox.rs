@@ -8,7 +8,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use rusqlite::{Connection, OptionalExtension};
 
 use crate::config::Config;
-use crate::error::{extended_code, is_unique_violation, Error, Result};
+use crate::db::Db;
+use crate::error::{extended_code, Error, Result};
 use crate::identity::{Delivery, Fingerprint, IdHash};
 use crate::outcome::{MessageState, Outcome, Status};
 use crate::retention::{self, RetentionState, ScopeRules};
@@ -39,7 +40,7 @@ struct Counts {
 /// share a file by each opening their own `Inbox`; SQLite lets one of them write at a time, and the others
 /// wait up to the busy timeout.
 pub struct Inbox {
-    pub(crate) conn: Connection,
+    pub(crate) conn: Db,
     pub(crate) config: Config,
     path: PathBuf,
     scopes: HashMap<String, i64>,
@@ -67,7 +68,7 @@ impl Inbox {
     /// written.
     pub fn open(path: impl AsRef<Path>, config: Config) -> Result<Inbox> {
         let path = path.as_ref();
-        let conn = schema::open(path, &config)?;
+        let conn = Db::new(schema::open(path, &config)?)?;
         Ok(Inbox {
             conn,
             config,
@@ -290,32 +291,25 @@ pub(crate) fn unix_now() -> i64 {
         .unwrap_or(0)
 }
 
-pub(crate) fn begin(conn: &Connection) -> Result<()> {
-    conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
+pub(crate) fn begin(conn: &Db) -> Result<()> {
+    conn.begin_immediate()?;
     Ok(())
 }
 
-pub(crate) fn commit(conn: &Connection) -> Result<()> {
-    conn.prepare_cached("COMMIT")?.execute([]).map(drop).map_err(|e| {
+pub(crate) fn commit(conn: &Db) -> Result<()> {
+    conn.commit_raw().map_err(|e| {
         let code = extended_code(&e).unwrap_or(-1);
         log::warn!("COMMIT failed with SQLite code {code}: outcome unknown until the identity is looked up");
         Error::CommitUnknown { code, source: e }
     })
 }
 
-fn flush_counts(conn: &Connection, counts: &[Counts]) -> Result<()> {
-    let mut stmt = conn.prepare_cached(
-        "UPDATE scope_stats SET processed = processed + ?2, duplicates = duplicates + ?3, \
-         conflicts = conflicts + ?4, handler_failures = handler_failures + ?5 WHERE scope_id = ?1",
-    )?;
+fn flush_counts(conn: &Db, counts: &[Counts]) -> Result<()> {
     for c in counts {
-        stmt.execute((
+        conn.add_counts(
             c.scope_id,
-            c.processed,
-            c.duplicates,
-            c.conflicts,
-            c.handler_failures,
-        ))?;
+            [c.processed, c.duplicates, c.conflicts, c.handler_failures],
+        )?;
     }
     Ok(())
 }
@@ -323,7 +317,7 @@ fn flush_counts(conn: &Connection, counts: &[Counts]) -> Result<()> {
 /// One delivery inside the open transaction, in its own savepoint.
 #[allow(clippy::too_many_arguments)]
 fn apply_one<H: Handler>(
-    conn: &Connection,
+    conn: &Db,
     d: &Delivery<'_>,
     scope_id: i64,
     rules: &ScopeRules,
@@ -332,7 +326,7 @@ fn apply_one<H: Handler>(
     buf: &RefCell<Vec<u8>>,
     failure: &Cell<Option<i32>>,
 ) -> Result<Outcome> {
-    conn.prepare_cached("SAVEPOINT delivery")?.execute([])?;
+    conn.savepoint()?;
     if let Some(outcome) = claim_identity(conn, d, scope_id, rules, now)? {
         release(conn)?;
         return Ok(outcome);
@@ -357,7 +351,7 @@ fn apply_one<H: Handler>(
             Ok(Outcome::Processed)
         }
         Err(err) => {
-            conn.prepare_cached("ROLLBACK TO delivery")?.execute([])?;
+            conn.rollback_to()?;
             release(conn)?;
             log::debug!("handler failed for {}/{}: {err:#}", d.scope, d.message_id);
             Ok(Outcome::HandlerFailed(err))
@@ -373,7 +367,7 @@ fn apply_one<H: Handler>(
 /// `rules` are the scope's cached retention rules ([`RetentionState::rules`], refreshed inside the same write
 /// transaction). A scope with sequence watermarks records numbered deliveries as watermarks, not identity rows.
 pub(crate) fn claim_identity(
-    conn: &Connection,
+    conn: &Db,
     d: &Delivery<'_>,
     scope_id: i64,
     rules: &ScopeRules,
@@ -388,22 +382,17 @@ pub(crate) fn claim_identity(
     }
     let id_hash = d.id_hash();
     let fingerprint = d.fingerprint();
-    let inserted = conn
-        .prepare_cached(
-            "INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, ?3, ?4)",
-        )?
-        .execute((
-            scope_id,
-            &id_hash.0[..],
-            fingerprint.to_sql(),
-            identity_day(now),
-        ));
-    match inserted {
-        Ok(_) => retention::check_new_identity(conn, d, scope_id, now, rules),
-        Err(e) if is_unique_violation(&e) => {
-            existing(conn, d, scope_id, &id_hash, fingerprint, now).map(Some)
-        }
-        Err(e) => Err(e.into()),
+    let inserted = conn.insert_identity(
+        scope_id,
+        &id_hash.0,
+        fingerprint.to_sql(),
+        identity_day(now),
+    );
+    // The primary key arbitrates: `ON CONFLICT DO NOTHING` changes no row when the identity exists, and
+    // saves building an error (and its message) on the duplicate path.
+    match inserted? {
+        0 => existing(conn, d, scope_id, &id_hash, fingerprint, now).map(Some),
+        _ => retention::check_new_identity(conn, d, scope_id, now, rules),
     }
 }
 
@@ -413,23 +402,21 @@ pub(crate) fn identity_day(unix_seconds: i64) -> i64 {
     unix_seconds.div_euclid(86_400)
 }
 
-pub(crate) fn release(conn: &Connection) -> Result<()> {
-    conn.prepare_cached("RELEASE delivery")?.execute([])?;
+pub(crate) fn release(conn: &Db) -> Result<()> {
+    conn.release()?;
     Ok(())
 }
 
 /// The identity exists: a duplicate if the content matches, else a recorded conflict.
 fn existing(
-    conn: &Connection,
+    conn: &Db,
     d: &Delivery<'_>,
     scope_id: i64,
     id_hash: &IdHash,
     received: Fingerprint,
     now: i64,
 ) -> Result<Outcome> {
-    let stored: i64 = conn
-        .prepare_cached("SELECT fingerprint FROM identities WHERE scope_id = ?1 AND id_hash = ?2")?
-        .query_row((scope_id, &id_hash.0[..]), |r| r.get(0))?;
+    let stored = conn.stored_fingerprint(scope_id, &id_hash.0)?;
     let stored = Fingerprint::from_sql(stored);
     if stored == received {
         return Ok(Outcome::Duplicate);
@@ -482,7 +469,7 @@ pub(crate) fn storage_error(code: i32) -> Error {
     ))
 }
 
-pub(crate) fn intern_scope(conn: &Connection, scope: &str, now: i64) -> Result<i64> {
+pub(crate) fn intern_scope(conn: &Db, scope: &str, now: i64) -> Result<i64> {
     begin(conn)?;
     let result = (|| -> rusqlite::Result<i64> {
         conn.execute(

@@ -221,6 +221,7 @@
 
 mod backlog;
 mod config;
+mod db;
 mod deferred;
 mod error;
 mod identity;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use rusqlite::{Connection, OptionalExtension};
 
+use crate::db::Db;
 use crate::error::{Error, Result};
 use crate::identity::Delivery;
 use crate::inbox::{begin, commit, unix_now, Inbox};
@@ -330,10 +331,8 @@ const NO_RULES: ScopeRules = ScopeRules {
 impl RetentionState {
     /// Reloads the rules when another connection committed since the last look. Called inside the write
     /// transaction, so what it reads cannot change before the commit. `PRAGMA data_version` costs no I/O.
-    pub(crate) fn refresh(&mut self, conn: &Connection) -> Result<()> {
-        let v: i64 = conn
-            .prepare_cached("PRAGMA data_version")?
-            .query_row([], |r| r.get(0))?;
+    pub(crate) fn refresh(&mut self, conn: &Db) -> Result<()> {
+        let v = conn.data_version()?;
         if self.data_version != Some(v) {
             self.rules = load_rules(conn)?;
             self.data_version = Some(v);
@@ -803,7 +802,7 @@ fn store_policy(
 }
 
 /// Returns up to `pages` free pages to the file system in one short write transaction; the number returned.
-fn vacuum_step(conn: &Connection, pages: u32) -> Result<u64> {
+fn vacuum_step(conn: &Db, pages: u32) -> Result<u64> {
     begin(conn)?;
     let result = (|| -> rusqlite::Result<u64> {
         let before: i64 = conn.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;

@@ -2,10 +2,11 @@
 
 use std::cell::{Cell, RefCell};
 
-use rusqlite::{ffi, Connection, OptionalExtension};
+use rusqlite::{ffi, Connection};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::db::Db;
 use crate::error::{extended_code, Error, Result};
 
 /// The transaction a handler runs in. Everything written through it (the key-value state, the user's own
@@ -14,7 +15,7 @@ use crate::error::{extended_code, Error, Result};
 /// Do not run `BEGIN`, `COMMIT`, `ROLLBACK`, `SAVEPOINT` or `RELEASE` yourself: the inbox owns the
 /// transaction, and a handler that ends it fails the whole batch.
 pub struct Tx<'a> {
-    conn: &'a Connection,
+    conn: &'a Db,
     scope: &'a str,
     scope_id: i64,
     now: i64,
@@ -24,7 +25,7 @@ pub struct Tx<'a> {
 
 impl<'a> Tx<'a> {
     pub(crate) fn new(
-        conn: &'a Connection,
+        conn: &'a Db,
         scope: &'a str,
         scope_id: i64,
         now: i64,
@@ -81,14 +82,9 @@ impl<'a> Tx<'a> {
     /// Reads `key` from namespace `ns`.
     pub fn get_in<T: DeserializeOwned>(&self, ns: &str, key: &str) -> Result<Option<T>> {
         let found = self.track(|| {
-            let mut stmt = self
-                .conn
-                .prepare_cached("SELECT value FROM kv WHERE ns = ?1 AND key = ?2")?;
-            stmt.query_row((ns, key), |row| {
-                let blob = row.get_ref(0)?.as_blob()?;
-                Ok(ciborium::from_reader::<T, _>(blob).map_err(|e| e.to_string()))
+            self.conn.kv_get(ns, key, |blob| {
+                ciborium::from_reader::<T, _>(blob).map_err(|e| e.to_string())
             })
-            .optional()
         })?;
         match found {
             None => Ok(None),
@@ -103,22 +99,12 @@ impl<'a> Tx<'a> {
         buf.clear();
         ciborium::into_writer(value, &mut *buf)
             .map_err(|e| Error::Codec(format!("{ns}/{key}: {e}")))?;
-        self.track(|| {
-            let mut stmt = self
-                .conn
-                .prepare_cached("INSERT INTO kv (ns, key, value) VALUES (?1, ?2, ?3) ON CONFLICT (ns, key) DO UPDATE SET value = excluded.value")?;
-            stmt.execute((ns, key, &buf[..])).map(drop)
-        })
+        self.track(|| self.conn.kv_put(ns, key, &buf))
     }
 
     /// Deletes `key` from namespace `ns`; true if it existed.
     pub fn delete_in(&self, ns: &str, key: &str) -> Result<bool> {
-        self.track(|| {
-            let mut stmt = self
-                .conn
-                .prepare_cached("DELETE FROM kv WHERE ns = ?1 AND key = ?2")?;
-            stmt.execute((ns, key)).map(|n| n > 0)
-        })
+        self.track(|| self.conn.kv_delete(ns, key))
     }
 
     /// Runs a statement of the inbox's own and remembers storage trouble, so a handler that swallows the

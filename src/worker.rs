@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use rusqlite::Connection;
 
 use crate::config::{Config, Synchronous};
+use crate::db::Db;
 use crate::deferred::unix_now_ms;
 use crate::error::{Error, Result};
 use crate::identity::{Delivery, Fingerprint, IdHash};
@@ -492,7 +493,7 @@ impl Worker {
 
 /// The claim itself: one `UPDATE ... RETURNING` in one `BEGIN IMMEDIATE` transaction.
 fn claim_rows(
-    conn: &Connection,
+    conn: &Db,
     owner: &str,
     config: &WorkerConfig,
     scope_id: i64,
@@ -570,7 +571,7 @@ fn sleep_unless(stop: &AtomicBool, d: Duration) {
 
 #[allow(clippy::too_many_arguments)]
 fn apply_claims<H: Handler>(
-    conn: &Connection,
+    conn: &Db,
     scope: &str,
     scope_id: i64,
     owner: &str,
