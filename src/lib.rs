@@ -112,19 +112,32 @@
 #![deny(missing_docs)]
 #![warn(rust_2018_idioms)]
 
+#[cfg(feature = "mqtt")]
+mod ack_queue;
 mod config;
+#[cfg(feature = "mqtt")]
+mod consumer;
+mod dead_letter;
 mod error;
+mod extract;
 mod identity;
 mod inbox;
+#[cfg(feature = "mqtt")]
+mod mqtt_conn;
 mod outcome;
 mod schema;
 mod state;
 mod stats;
 
 pub use crate::config::{Config, Limits, Synchronous};
+#[cfg(feature = "mqtt")]
+pub use crate::consumer::{Consumer, RunSummary, StopHandle};
 pub use crate::error::{Error, InvalidDelivery, Result};
+pub use crate::extract::{Envelope, ExtractIdentity, Identity, Incoming, UserProperty};
 pub use crate::identity::{Delivery, Fingerprint, IdHash};
 pub use crate::inbox::{Handler, Inbox};
+#[cfg(feature = "mqtt")]
+pub use crate::mqtt_conn::{MqttConfig, Protocol, Tls};
 pub use crate::outcome::{MessageState, Outcome, Status};
 pub use crate::schema::{open_read_only, SCHEMA_VERSION};
 pub use crate::state::Tx;
