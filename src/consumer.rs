@@ -1,8 +1,9 @@
 //! The MQTT consumer: batches QoS1 deliveries into group commits and acks each one, in arrival order, only
 //! after the commit that covers it.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -206,6 +207,8 @@ impl Consumer {
             summary: RunSummary::default(),
             epoch: 0,
             outcomes: Vec::with_capacity(batch_size),
+            rx,
+            backlog: VecDeque::new(),
         };
         let mut batch: Vec<Pending> = Vec::with_capacity(batch_size);
         let mut last_activity = Instant::now();
@@ -213,7 +216,7 @@ impl Consumer {
             if self.stop.is_stopped() {
                 break;
             }
-            match run.collect(&rx, &mut batch, batch_size, self.linger) {
+            match run.collect(&mut batch, batch_size, self.linger) {
                 Collected::Some => {
                     run.settle(&mut batch, &mut handler);
                     last_activity = Instant::now();
@@ -232,9 +235,10 @@ impl Consumer {
         // Whatever is still in the channel was never committed here: left unacked for the broker to redeliver.
         self.stop.stop();
         client.disconnect();
-        drop(rx);
-        let _ = poller.join();
+        // Dropping the receiver frees a poll thread blocked handing over a delivery.
         let summary = run.summary;
+        drop(run);
+        let _ = poller.join();
         log::info!("consumer for scope {} stopped: {summary:?}", self.scope);
         Ok(summary)
     }
@@ -259,12 +263,15 @@ struct Run<'a> {
     /// The connection the current batch was received on.
     epoch: u64,
     outcomes: Vec<Outcome>,
+    rx: Receiver<Event>,
+    /// Events drained from the channel while waiting to queue an ack, in arrival order.
+    backlog: VecDeque<Event>,
 }
 
 impl Run<'_> {
     /// Fills `batch` with deliveries of one connection: waits up to 100 ms for the first, then up to
     /// `linger` for the rest.
-    fn collect(&mut self, rx: &Receiver<Event>, batch: &mut Vec<Pending>, size: usize, linger: Duration) -> Collected {
+    fn collect(&mut self, batch: &mut Vec<Pending>, size: usize, linger: Duration) -> Collected {
         batch.clear();
         let mut deadline: Option<Instant> = None;
         while batch.len() < size {
@@ -272,7 +279,11 @@ impl Run<'_> {
                 None => Duration::from_millis(100),
                 Some(d) => d.saturating_duration_since(Instant::now()),
             };
-            let event = match rx.recv_timeout(wait) {
+            let next = match self.backlog.pop_front() {
+                Some(e) => Ok(e),
+                None => self.rx.recv_timeout(wait),
+            };
+            let event = match next {
                 Ok(e) => e,
                 Err(RecvTimeoutError::Timeout) => break,
                 Err(RecvTimeoutError::Disconnected) => {
@@ -325,6 +336,7 @@ impl Run<'_> {
     /// Commits the batch and acks it, in arrival order. Returns early, acking nothing more, when the
     /// connection ends or a stop is requested while storage keeps failing.
     fn settle<H: Handler>(&mut self, batch: &mut [Pending], handler: &mut H) {
+        log::debug!("settling a batch of {} deliveries", batch.len());
         let limits = *self.inbox.config().get_limits();
         // Identity and limits first: bad input is quarantined, so it can be acked like the rest.
         let mut good: Vec<usize> = Vec::with_capacity(batch.len());
@@ -475,13 +487,28 @@ impl Run<'_> {
                 self.queue.clear();
                 return;
             }
-            match self.client.ack(&token) {
-                Ok(()) => self.summary.acked += 1,
-                Err(e) => {
-                    log::warn!("could not queue an ack ({e}); the broker redelivers the rest");
-                    self.queue.clear();
-                    return;
-                }
+            if !self.queue_ack(&token) {
+                log::warn!("the connection is closed; the broker redelivers what was not acked");
+                self.queue.clear();
+                return;
+            }
+            self.summary.acked += 1;
+        }
+    }
+}
+
+impl Run<'_> {
+    /// Queues one PUBACK, draining incoming events into the backlog while rumqttc's request channel is
+    /// full. False when the poll thread has ended.
+    fn queue_ack(&mut self, token: &AckToken) -> bool {
+        loop {
+            if self.client.try_ack(token) {
+                return true;
+            }
+            match self.rx.try_recv() {
+                Ok(e) => self.backlog.push_back(e),
+                Err(TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(1)),
+                Err(TryRecvError::Disconnected) => return false,
             }
         }
     }

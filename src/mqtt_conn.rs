@@ -196,12 +196,14 @@ pub(crate) enum Client {
 }
 
 impl Client {
-    /// Queues the PUBACK. Blocks only while rumqttc's request channel is full; the poll thread drains it.
-    pub(crate) fn ack(&self, token: &AckToken) -> Result<(), String> {
+    /// Queues the PUBACK without blocking: `false` when rumqttc's request channel is full (or closed). The
+    /// caller keeps draining deliveries meanwhile, so the poll thread is never stuck handing one over while
+    /// the ack waits for it.
+    pub(crate) fn try_ack(&self, token: &AckToken) -> bool {
         match (self, token) {
-            (Client::V4(c), AckToken::V4(p)) => c.ack(p).map_err(|e| e.to_string()),
-            (Client::V5(c), AckToken::V5(p)) => c.ack(p).map_err(|e| e.to_string()),
-            _ => Err("ack token of the other protocol version".into()),
+            (Client::V4(c), AckToken::V4(p)) => c.try_ack(p).is_ok(),
+            (Client::V5(c), AckToken::V5(p)) => c.try_ack(p).is_ok(),
+            _ => false,
         }
     }
 
