@@ -27,7 +27,8 @@ const SCOPE: &str = "inventory-reservation";
 
 /// The whole business logic: one handler.
 fn reserve(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
-    let event: serde_json::Value = serde_json::from_slice(d.payload).context("payload is not JSON")?;
+    let event: serde_json::Value =
+        serde_json::from_slice(d.payload).context("payload is not JSON")?;
     let sku = event["sku"].as_str().context("no sku")?;
     let qty = event["qty"].as_i64().context("no qty")?;
     let delta = match event["kind"].as_str() {
@@ -96,7 +97,9 @@ fn parse_run(args: &[String]) -> anyhow::Result<RunArgs> {
             "--db" => run.db = Some(PathBuf::from(value()?)),
             "--client-id" => run.client_id = value()?.clone(),
             "--topic" => run.topic = value()?.clone(),
-            "--exit-when-idle" => run.exit_when_idle = Some(value()?.parse().context("--exit-when-idle SECS")?),
+            "--exit-when-idle" => {
+                run.exit_when_idle = Some(value()?.parse().context("--exit-when-idle SECS")?)
+            }
             other => bail!("unknown option {other:?}"),
         }
     }
@@ -129,7 +132,9 @@ fn report(db: &Path) -> anyhow::Result<String> {
     let mut stmt = inbox
         .connection()
         .prepare("SELECT substr(key, 10), value FROM kv WHERE ns = ?1 AND key LIKE 'reserved/%' ORDER BY key")?;
-    let rows = stmt.query_map([SCOPE], |r| Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?)))?;
+    let rows = stmt.query_map([SCOPE], |r| {
+        Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
+    })?;
     for row in rows {
         let (sku, value) = row?;
         let qty: i64 = ciborium::from_reader(&value[..]).context("stored quantity")?;
@@ -167,15 +172,23 @@ fn demo(db: Option<PathBuf>) -> anyhow::Result<()> {
     // First connection: the broker now keeps a persistent session with our subscription.
     consume(&addr, &db, &run)?;
 
-    let created = |order: u32, sku: &str, qty: u32| format!(r#"{{"order":{order},"sku":"{sku}","qty":{qty},"kind":"created"}}"#);
-    let cancelled = |order: u32, sku: &str, qty: u32| format!(r#"{{"order":{order},"sku":"{sku}","qty":{qty},"kind":"cancelled"}}"#);
+    let created = |order: u32, sku: &str, qty: u32| {
+        format!(r#"{{"order":{order},"sku":"{sku}","qty":{qty},"kind":"created"}}"#)
+    };
+    let cancelled = |order: u32, sku: &str, qty: u32| {
+        format!(r#"{{"order":{order},"sku":"{sku}","qty":{qty},"kind":"cancelled"}}"#)
+    };
     let events: Vec<(&str, Option<&str>, String)> = vec![
         ("orders/42", Some("evt-42-created"), created(42, "A-1", 1)),
         ("orders/43", Some("evt-43-created"), created(43, "A-1", 2)),
         // The broker redelivers 42 (our PUBACK was lost): recognised, not applied again.
         ("orders/42", Some("evt-42-created"), created(42, "A-1", 1)),
         ("orders/44", Some("evt-44-created"), created(44, "B-7", 1)),
-        ("orders/43", Some("evt-43-cancelled"), cancelled(43, "A-1", 2)),
+        (
+            "orders/43",
+            Some("evt-43-cancelled"),
+            cancelled(43, "A-1", 2),
+        ),
         // A buggy producer reuses an id for other content: a recorded conflict, not applied.
         ("orders/44", Some("evt-44-created"), created(44, "B-7", 5)),
         // No id at all: quarantined, acked, kept for an operator.
@@ -184,7 +197,10 @@ fn demo(db: Option<PathBuf>) -> anyhow::Result<()> {
     ];
     publish(broker.port, &events)?;
     eprintln!("published {} events; consuming until idle", events.len());
-    let run = RunArgs { exit_when_idle: Some(2), ..run };
+    let run = RunArgs {
+        exit_when_idle: Some(2),
+        ..run
+    };
     let summary = consume(&addr, &db, &run)?;
     eprintln!("this run: {summary:?}");
     println!("{}", report(&db)?);
@@ -195,11 +211,16 @@ fn publish(port: u16, events: &[(&str, Option<&str>, String)]) -> anyhow::Result
     use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
     use rumqttc::v5::mqttbytes::QoS;
     use rumqttc::v5::{Client, Event, MqttOptions};
-    let (client, mut conn) = Client::new(MqttOptions::new("inventory-demo-publisher", "127.0.0.1", port), 32);
+    let (client, mut conn) = Client::new(
+        MqttOptions::new("inventory-demo-publisher", "127.0.0.1", port),
+        32,
+    );
     for (topic, id, body) in events {
         let mut props = PublishProperties::default();
         if let Some(id) = id {
-            props.user_properties.push(("message-id".into(), id.to_string()));
+            props
+                .user_properties
+                .push(("message-id".into(), id.to_string()));
         }
         client.publish_with_properties(*topic, QoS::AtLeastOnce, false, body.clone(), props)?;
     }
@@ -207,7 +228,10 @@ fn publish(port: u16, events: &[(&str, Option<&str>, String)]) -> anyhow::Result
     let mut acked = 0;
     while acked < events.len() {
         if Instant::now() > deadline {
-            bail!("the broker acknowledged only {acked} of {} events", events.len());
+            bail!(
+                "the broker acknowledged only {acked} of {} events",
+                events.len()
+            );
         }
         match conn.recv_timeout(Duration::from_millis(200)) {
             Ok(Ok(Event::Incoming(Packet::PubAck(_)))) => acked += 1,
@@ -233,9 +257,14 @@ impl Mosquitto {
             .map(|d| d.join("mosquitto"))
             .find(|p| p.is_file())
             .unwrap_or_else(|| PathBuf::from("/usr/sbin/mosquitto"));
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
         let conf = dir.join("mosquitto.conf");
-        std::fs::write(&conf, format!("listener {port} 127.0.0.1\nallow_anonymous true\n"))?;
+        std::fs::write(
+            &conf,
+            format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
+        )?;
         let child = Command::new(&exe)
             .arg("-c")
             .arg(&conf)

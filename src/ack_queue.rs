@@ -13,7 +13,10 @@ pub(crate) struct AckQueue<T> {
 
 impl<T> AckQueue<T> {
     pub(crate) fn new() -> Self {
-        AckQueue { slots: VecDeque::new(), base: 0 }
+        AckQueue {
+            slots: VecDeque::new(),
+            base: 0,
+        }
     }
 
     /// Registers a delivery in arrival order; returns its ticket.
@@ -64,11 +67,17 @@ mod tests {
         q.settle(t[1]);
         assert_eq!(q.pop_ready(), None, "the first delivery is not settled yet");
         q.settle(t[0]);
-        assert_eq!((q.pop_ready(), q.pop_ready(), q.pop_ready(), q.pop_ready()), (Some(0), Some(1), Some(2), None));
+        assert_eq!(
+            (q.pop_ready(), q.pop_ready(), q.pop_ready(), q.pop_ready()),
+            (Some(0), Some(1), Some(2), None)
+        );
         q.settle(t[4]);
         assert_eq!(q.pop_ready(), None);
         q.settle(t[3]);
-        assert_eq!((q.pop_ready(), q.pop_ready(), q.pop_ready()), (Some(3), Some(4), None));
+        assert_eq!(
+            (q.pop_ready(), q.pop_ready(), q.pop_ready()),
+            (Some(3), Some(4), None)
+        );
     }
 
     #[test]
@@ -78,7 +87,11 @@ mod tests {
         q.clear();
         let new = q.push("new");
         q.settle(old);
-        assert_eq!(q.pop_ready(), None, "a ticket from before the reconnect must not settle a new delivery");
+        assert_eq!(
+            q.pop_ready(),
+            None,
+            "a ticket from before the reconnect must not settle a new delivery"
+        );
         q.settle(new);
         assert_eq!(q.pop_ready(), Some("new"));
         assert_eq!(q.len(), 0);

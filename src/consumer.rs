@@ -189,13 +189,24 @@ impl Consumer {
         let window = usize::from(self.mqtt.inflight);
         let batch_size = self.batch_size.min(window);
         if batch_size < self.batch_size {
-            log::info!("batch size {} capped at the broker's inflight window {window}", self.batch_size);
+            log::info!(
+                "batch size {} capped at the broker's inflight window {window}",
+                self.batch_size
+            );
         }
         let (tx, rx) = sync_channel(window + 16);
-        let shared = Arc::new(Shared { epoch: AtomicU64::new(0), stop: self.stop.flag() });
-        let (client, poller) = mqtt_conn::start(&self.mqtt, tx, shared.clone())
-            .map_err(|e| Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}")))?;
-        log::info!("consumer for scope {} starting: {:?}", self.scope, self.mqtt);
+        let shared = Arc::new(Shared {
+            epoch: AtomicU64::new(0),
+            stop: self.stop.flag(),
+        });
+        let (client, poller) = mqtt_conn::start(&self.mqtt, tx, shared.clone()).map_err(|e| {
+            Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}"))
+        })?;
+        log::info!(
+            "consumer for scope {} starting: {:?}",
+            self.scope,
+            self.mqtt
+        );
         let mut run = Run {
             inbox: &mut self.inbox,
             scope: &self.scope,
@@ -287,18 +298,29 @@ impl Run<'_> {
                 Ok(e) => e,
                 Err(RecvTimeoutError::Timeout) => break,
                 Err(RecvTimeoutError::Disconnected) => {
-                    return if batch.is_empty() { Collected::Disconnected } else { Collected::Some };
+                    return if batch.is_empty() {
+                        Collected::Disconnected
+                    } else {
+                        Collected::Some
+                    };
                 }
             };
             match event {
-                Event::Connected { epoch, session_present } => {
+                Event::Connected {
+                    epoch,
+                    session_present,
+                } => {
                     self.summary.connections += 1;
                     self.drop_stale(batch.len());
                     batch.clear();
                     self.epoch = epoch;
                     log::debug!("connection epoch {epoch} (session present: {session_present})");
                 }
-                Event::Publish { epoch, incoming, token } => {
+                Event::Publish {
+                    epoch,
+                    incoming,
+                    token,
+                } => {
                     self.summary.received += 1;
                     if epoch != self.epoch {
                         // Received on a connection that is gone: its redelivery will come on the new one.
@@ -306,7 +328,11 @@ impl Run<'_> {
                         continue;
                     }
                     let ticket = self.queue.push(token);
-                    batch.push(Pending { incoming, identity: None, ticket });
+                    batch.push(Pending {
+                        incoming,
+                        identity: None,
+                        ticket,
+                    });
                     deadline.get_or_insert_with(|| Instant::now() + linger);
                 }
             }
@@ -357,8 +383,14 @@ impl Run<'_> {
                         p.incoming.topic,
                         p.incoming.payload.len()
                     );
-                    let (scope, topic, payload) = (self.scope, &p.incoming.topic, &p.incoming.payload);
-                    if self.retry("quarantine", |inbox| inbox.quarantine(scope, topic, payload, &reason)).is_none() {
+                    let (scope, topic, payload) =
+                        (self.scope, &p.incoming.topic, &p.incoming.payload);
+                    if self
+                        .retry("quarantine", |inbox| {
+                            inbox.quarantine(scope, topic, payload, &reason)
+                        })
+                        .is_none()
+                    {
                         return self.abandon(batch.len());
                     }
                     self.summary.quarantined += 1;
@@ -369,10 +401,18 @@ impl Run<'_> {
 
         let deliveries: Vec<Delivery<'_>> = good
             .iter()
-            .map(|&i| delivery_of(self.scope, &batch[i].incoming, batch[i].identity.as_ref().expect("extracted")))
+            .map(|&i| {
+                delivery_of(
+                    self.scope,
+                    &batch[i].incoming,
+                    batch[i].identity.as_ref().expect("extracted"),
+                )
+            })
             .collect();
         let mut outcomes = std::mem::take(&mut self.outcomes);
-        let committed = self.retry("commit", |inbox| inbox.process_batch_into(&deliveries, handler, &mut outcomes));
+        let committed = self.retry("commit", |inbox| {
+            inbox.process_batch_into(&deliveries, handler, &mut outcomes)
+        });
         if committed.is_none() {
             self.outcomes = outcomes;
             return self.abandon(batch.len());
@@ -404,7 +444,12 @@ impl Run<'_> {
 
     /// Tries a failed delivery again, alone, up to the attempt limit; then dead-letters it. False when
     /// storage trouble outlived the connection or a stop (nothing may be acked).
-    fn retry_handler<H: Handler>(&mut self, d: &Delivery<'_>, mut err: anyhow::Error, handler: &mut H) -> bool {
+    fn retry_handler<H: Handler>(
+        &mut self,
+        d: &Delivery<'_>,
+        mut err: anyhow::Error,
+        handler: &mut H,
+    ) -> bool {
         let mut attempts = 1;
         while attempts < self.handler_attempts {
             attempts += 1;
@@ -426,7 +471,9 @@ impl Run<'_> {
             }
         }
         let reason = format!("handler failed {attempts} time(s): {err:#}");
-        match self.retry("dead letter", |inbox| inbox.dead_letter_after(d, attempts, &reason)) {
+        match self.retry("dead letter", |inbox| {
+            inbox.dead_letter_after(d, attempts, &reason)
+        }) {
             None => false,
             Some(Outcome::Processed) => {
                 self.summary.dead_lettered += 1;
@@ -454,7 +501,8 @@ impl Run<'_> {
                     self.summary.storage_errors += 1;
                     log::error!(
                         "{what} failed (SQLite code {}): {e}; not acked, retrying in {backoff:?}",
-                        e.sqlite_code().map_or_else(|| "none".to_owned(), |c| c.to_string())
+                        e.sqlite_code()
+                            .map_or_else(|| "none".to_owned(), |c| c.to_string())
                     );
                     let until = Instant::now() + backoff;
                     while Instant::now() < until {
@@ -487,7 +535,7 @@ impl Run<'_> {
                 self.queue.clear();
                 return;
             }
-            if !self.queue_ack(&token) {
+            if !self.queue_ack(token) {
                 log::warn!("the connection is closed; the broker redelivers what was not acked");
                 self.queue.clear();
                 return;
@@ -500,7 +548,7 @@ impl Run<'_> {
 impl Run<'_> {
     /// Queues one PUBACK, draining incoming events into the backlog while rumqttc's request channel is
     /// full. False when the poll thread has ended.
-    fn queue_ack(&mut self, token: &AckToken) -> bool {
+    fn queue_ack(&mut self, token: AckToken) -> bool {
         loop {
             if self.client.try_ack(token) {
                 return true;
@@ -528,4 +576,3 @@ fn delivery_of<'a>(scope: &'a str, incoming: &'a Incoming, id: &'a Identity) -> 
     }
     d
 }
-

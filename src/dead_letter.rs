@@ -22,7 +22,12 @@ impl Inbox {
     }
 
     /// [`Inbox::dead_letter`] recording that the handler was tried `attempts` times.
-    pub fn dead_letter_after(&mut self, delivery: &Delivery<'_>, attempts: u32, reason: &str) -> Result<Outcome> {
+    pub fn dead_letter_after(
+        &mut self,
+        delivery: &Delivery<'_>,
+        attempts: u32,
+        reason: &str,
+    ) -> Result<Outcome> {
         delivery.validate(&self.config.limits)?;
         let scope_id = self.scope_id(delivery.scope)?;
         let now = unix_now();
@@ -57,7 +62,9 @@ impl Inbox {
                 _ => "duplicates = duplicates + 1",
             };
             self.conn
-                .prepare_cached(&format!("UPDATE scope_stats SET {column} WHERE scope_id = ?1"))?
+                .prepare_cached(&format!(
+                    "UPDATE scope_stats SET {column} WHERE scope_id = ?1"
+                ))?
                 .execute([scope_id])?;
             return Ok(outcome);
         }
@@ -79,7 +86,9 @@ impl Inbox {
                 now,
             ))?;
         self.conn
-            .prepare_cached("UPDATE scope_stats SET dead_lettered = dead_lettered + 1 WHERE scope_id = ?1")?
+            .prepare_cached(
+                "UPDATE scope_stats SET dead_lettered = dead_lettered + 1 WHERE scope_id = ?1",
+            )?
             .execute([scope_id])?;
         Ok(Outcome::Processed)
     }
@@ -99,7 +108,10 @@ mod tests {
     fn dead_letter_is_durable_and_makes_redelivery_a_duplicate() {
         let (dir, mut inbox) = open();
         let d = Delivery::new("inv", "evt-1", "orders/1", b"{bad").with_producer("shop-1");
-        assert!(matches!(inbox.dead_letter_after(&d, 3, "bad JSON").unwrap(), Outcome::Processed));
+        assert!(matches!(
+            inbox.dead_letter_after(&d, 3, "bad JSON").unwrap(),
+            Outcome::Processed
+        ));
         drop(inbox);
 
         let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
@@ -111,10 +123,23 @@ mod tests {
                 |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)),
             )
             .unwrap();
-        assert_eq!(row, (3, 3, "bad JSON".into(), b"{bad".to_vec(), "orders/1".into(), Some("shop-1".into())));
+        assert_eq!(
+            row,
+            (
+                3,
+                3,
+                "bad JSON".into(),
+                b"{bad".to_vec(),
+                "orders/1".into(),
+                Some("shop-1".into())
+            )
+        );
         assert!(matches!(
             inbox.status("inv", Some("shop-1"), "evt-1").unwrap(),
-            Status::Recorded { state: Some(MessageState::DeadLettered), .. }
+            Status::Recorded {
+                state: Some(MessageState::DeadLettered),
+                ..
+            }
         ));
         assert_eq!(inbox.scope_stats("inv").unwrap().dead_lettered, 1);
 
@@ -124,19 +149,31 @@ mod tests {
             Ok(())
         });
         assert!(matches!(outcome.unwrap(), Outcome::Duplicate));
-        assert!(!ran, "a dead-lettered delivery is not handled again on redelivery");
+        assert!(
+            !ran,
+            "a dead-lettered delivery is not handled again on redelivery"
+        );
 
         // Other content under the same id is a conflict, not a second dead letter.
         let other = Delivery::new("inv", "evt-1", "orders/1", b"{other").with_producer("shop-1");
-        assert!(matches!(inbox.dead_letter(&other, "x").unwrap(), Outcome::Conflict { .. }));
+        assert!(matches!(
+            inbox.dead_letter(&other, "x").unwrap(),
+            Outcome::Conflict { .. }
+        ));
         let st = inbox.scope_stats("inv").unwrap();
         assert_eq!((st.dead_lettered, st.conflicts), (1, 1));
 
         // An operator's requeue makes it pending work for the deferred worker.
-        inbox.connection().execute("UPDATE messages SET state = 0 WHERE state = 3", []).unwrap();
+        inbox
+            .connection()
+            .execute("UPDATE messages SET state = 0 WHERE state = 3", [])
+            .unwrap();
         assert!(matches!(
             inbox.status("inv", Some("shop-1"), "evt-1").unwrap(),
-            Status::Recorded { state: Some(MessageState::Pending), .. }
+            Status::Recorded {
+                state: Some(MessageState::Pending),
+                ..
+            }
         ));
     }
 
@@ -144,9 +181,17 @@ mod tests {
     fn dead_letter_of_a_processed_identity_is_a_duplicate_and_writes_no_body() {
         let (_dir, mut inbox) = open();
         let d = Delivery::new("inv", "evt-2", "orders/2", b"{}");
-        inbox.process(&d, |_: &mut crate::Tx<'_>, _: &Delivery<'_>| Ok(())).unwrap();
-        assert!(matches!(inbox.dead_letter(&d, "late").unwrap(), Outcome::Duplicate));
-        let n: i64 = inbox.connection().query_row("SELECT count(*) FROM messages", [], |r| r.get(0)).unwrap();
+        inbox
+            .process(&d, |_: &mut crate::Tx<'_>, _: &Delivery<'_>| Ok(()))
+            .unwrap();
+        assert!(matches!(
+            inbox.dead_letter(&d, "late").unwrap(),
+            Outcome::Duplicate
+        ));
+        let n: i64 = inbox
+            .connection()
+            .query_row("SELECT count(*) FROM messages", [], |r| r.get(0))
+            .unwrap();
         assert_eq!(n, 0);
         assert_eq!(inbox.scope_stats("inv").unwrap().dead_lettered, 0);
     }

@@ -21,18 +21,29 @@ pub struct Incoming {
 impl Incoming {
     /// A publish without user properties.
     pub fn new(topic: impl Into<String>, payload: impl Into<Vec<u8>>) -> Incoming {
-        Incoming { topic: topic.into(), payload: payload.into(), user_properties: Vec::new() }
+        Incoming {
+            topic: topic.into(),
+            payload: payload.into(),
+            user_properties: Vec::new(),
+        }
     }
 
     /// The same publish with one more user property.
-    pub fn with_user_property(mut self, name: impl Into<String>, value: impl Into<String>) -> Incoming {
+    pub fn with_user_property(
+        mut self,
+        name: impl Into<String>,
+        value: impl Into<String>,
+    ) -> Incoming {
         self.user_properties.push((name.into(), value.into()));
         self
     }
 
     /// The first user property called `name`.
     pub fn user_property(&self, name: &str) -> Option<&str> {
-        self.user_properties.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.user_properties
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
 }
 
@@ -56,7 +67,10 @@ pub struct Identity {
 impl Identity {
     /// An identity with only a message id; the payload is the body.
     pub fn new(message_id: impl Into<String>) -> Identity {
-        Identity { message_id: message_id.into(), ..Identity::default() }
+        Identity {
+            message_id: message_id.into(),
+            ..Identity::default()
+        }
     }
 
     /// The same identity with a producer namespace.
@@ -95,13 +109,18 @@ pub struct UserProperty {
 
 impl Default for UserProperty {
     fn default() -> Self {
-        UserProperty { id: "message-id".into(), producer: Some("producer".into()) }
+        UserProperty {
+            id: "message-id".into(),
+            producer: Some("producer".into()),
+        }
     }
 }
 
 impl ExtractIdentity for UserProperty {
     fn extract(&self, msg: &Incoming) -> Result<Identity, InvalidDelivery> {
-        let id = msg.user_property(&self.id).ok_or(InvalidDelivery::MissingId)?;
+        let id = msg
+            .user_property(&self.id)
+            .ok_or(InvalidDelivery::MissingId)?;
         let producer = self.producer.as_deref().and_then(|p| msg.user_property(p));
         Ok(Identity {
             message_id: id.to_owned(),
@@ -150,7 +169,11 @@ pub struct Envelope {
 impl Envelope {
     /// An envelope with an id and a body.
     pub fn new(id: impl Into<String>, body: Vec<u8>) -> Envelope {
-        Envelope { id: id.into(), body, ..Envelope::default() }
+        Envelope {
+            id: id.into(),
+            body,
+            ..Envelope::default()
+        }
     }
 
     /// Sets the producer namespace.
@@ -185,7 +208,8 @@ impl Envelope {
         }
         map.push((Value::Text("body".into()), Value::Bytes(self.body.clone())));
         let mut out = Vec::with_capacity(self.body.len() + self.id.len() + 32);
-        ciborium::into_writer(&Value::Map(map), &mut out).expect("writing CBOR to a Vec cannot fail");
+        ciborium::into_writer(&Value::Map(map), &mut out)
+            .expect("writing CBOR to a Vec cannot fail");
         out
     }
 
@@ -193,7 +217,8 @@ impl Envelope {
     /// [`InvalidDelivery::MissingId`].
     pub fn decode(payload: &[u8]) -> Result<Envelope, InvalidDelivery> {
         let bad = |why: String| InvalidDelivery::MalformedEnvelope(why);
-        let value: Value = ciborium::from_reader(payload).map_err(|e| bad(format!("not CBOR: {e}")))?;
+        let value: Value =
+            ciborium::from_reader(payload).map_err(|e| bad(format!("not CBOR: {e}")))?;
         let Value::Map(entries) = value else {
             return Err(bad("not a CBOR map".into()));
         };
@@ -205,10 +230,14 @@ impl Envelope {
                 ("id", Value::Text(s)) => (env.id, have_id) = (s, true),
                 ("producer", Value::Text(s)) => env.producer = Some(s),
                 ("seq", Value::Integer(i)) => {
-                    env.seq = Some(u64::try_from(i).map_err(|_| bad("seq is not an unsigned 64-bit integer".into()))?)
+                    env.seq = Some(
+                        u64::try_from(i)
+                            .map_err(|_| bad("seq is not an unsigned 64-bit integer".into()))?,
+                    )
                 }
                 ("sent_at", Value::Integer(i)) => {
-                    env.sent_at = Some(i64::try_from(i).map_err(|_| bad("sent_at is out of range".into()))?)
+                    env.sent_at =
+                        Some(i64::try_from(i).map_err(|_| bad("sent_at is out of range".into()))?)
                 }
                 ("body", Value::Bytes(b)) => (env.body, have_body) = (b, true),
                 ("id" | "producer" | "seq" | "sent_at" | "body", _) => {
@@ -247,24 +276,50 @@ mod tests {
 
     #[test]
     fn envelope_round_trips_and_rejects_bad_input() {
-        let env = Envelope::new("e-1", b"body".to_vec()).producer("p").seq(7).sent_at(1_700_000_000);
+        let env = Envelope::new("e-1", b"body".to_vec())
+            .producer("p")
+            .seq(7)
+            .sent_at(1_700_000_000);
         assert_eq!(Envelope::decode(&env.encode()).unwrap(), env);
-        assert!(matches!(Envelope::decode(b"{\"json\":1}"), Err(InvalidDelivery::MalformedEnvelope(_))));
+        assert!(matches!(
+            Envelope::decode(b"{\"json\":1}"),
+            Err(InvalidDelivery::MalformedEnvelope(_))
+        ));
         let mut no_id = Vec::new();
-        ciborium::into_writer(&Value::Map(vec![(Value::Text("body".into()), Value::Bytes(vec![1]))]), &mut no_id)
-            .unwrap();
+        ciborium::into_writer(
+            &Value::Map(vec![(Value::Text("body".into()), Value::Bytes(vec![1]))]),
+            &mut no_id,
+        )
+        .unwrap();
         assert_eq!(Envelope::decode(&no_id), Err(InvalidDelivery::MissingId));
         let mut wrong = Vec::new();
-        ciborium::into_writer(&Value::Map(vec![(Value::Text("id".into()), Value::Integer(5.into()))]), &mut wrong)
-            .unwrap();
-        assert!(matches!(Envelope::decode(&wrong), Err(InvalidDelivery::MalformedEnvelope(_))));
+        ciborium::into_writer(
+            &Value::Map(vec![(Value::Text("id".into()), Value::Integer(5.into()))]),
+            &mut wrong,
+        )
+        .unwrap();
+        assert!(matches!(
+            Envelope::decode(&wrong),
+            Err(InvalidDelivery::MalformedEnvelope(_))
+        ));
     }
 
     #[test]
     fn user_property_names_are_configurable() {
-        let msg = Incoming::new("t", b"x".to_vec()).with_user_property("msg", "42").with_user_property("src", "s1");
-        assert_eq!(UserProperty::default().extract(&msg), Err(InvalidDelivery::MissingId));
-        let ex = UserProperty { id: "msg".into(), producer: Some("src".into()) };
-        assert_eq!(ex.extract(&msg).unwrap(), Identity::new("42").with_producer("s1"));
+        let msg = Incoming::new("t", b"x".to_vec())
+            .with_user_property("msg", "42")
+            .with_user_property("src", "s1");
+        assert_eq!(
+            UserProperty::default().extract(&msg),
+            Err(InvalidDelivery::MissingId)
+        );
+        let ex = UserProperty {
+            id: "msg".into(),
+            producer: Some("src".into()),
+        };
+        assert_eq!(
+            ex.extract(&msg).unwrap(),
+            Identity::new("42").with_producer("s1")
+        );
     }
 }

@@ -38,7 +38,10 @@ impl fmt::Debug for Tls {
         // The private key never reaches a log.
         f.debug_struct("Tls")
             .field("ca_pem_bytes", &self.ca_pem.len())
-            .field("client_auth", &self.client_auth.as_ref().map(|_| "<redacted>"))
+            .field(
+                "client_auth",
+                &self.client_auth.as_ref().map(|_| "<redacted>"),
+            )
             .finish()
     }
 }
@@ -180,14 +183,16 @@ pub(crate) enum Event {
     /// A (re)connection was accepted; everything received before it is stale and must not be acked.
     Connected { epoch: u64, session_present: bool },
     /// A publish received on connection `epoch`. `token` is `None` for QoS0 (nothing to ack).
-    Publish { epoch: u64, incoming: Incoming, token: Option<AckToken> },
+    Publish {
+        epoch: u64,
+        incoming: Incoming,
+        token: Option<AckToken>,
+    },
 }
 
-/// What an ack needs: the publish as rumqttc received it (payload stripped).
-pub(crate) enum AckToken {
-    V4(rumqttc::Publish),
-    V5(p5::Publish),
-}
+/// What a PUBACK needs: the packet id of a QoS1 publish (only ever acked on the connection it came on).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AckToken(u16);
 
 /// The sending half of a connection, owned by the consumer thread.
 pub(crate) enum Client {
@@ -199,11 +204,18 @@ impl Client {
     /// Queues the PUBACK without blocking: `false` when rumqttc's request channel is full (or closed). The
     /// caller keeps draining deliveries meanwhile, so the poll thread is never stuck handing one over while
     /// the ack waits for it.
-    pub(crate) fn try_ack(&self, token: &AckToken) -> bool {
-        match (self, token) {
-            (Client::V4(c), AckToken::V4(p)) => c.try_ack(p).is_ok(),
-            (Client::V5(c), AckToken::V5(p)) => c.try_ack(p).is_ok(),
-            _ => false,
+    pub(crate) fn try_ack(&self, token: AckToken) -> bool {
+        match self {
+            Client::V4(c) => {
+                let mut p = rumqttc::Publish::new("", QoS::AtLeastOnce, Vec::new());
+                p.pkid = token.0;
+                c.try_ack(&p).is_ok()
+            }
+            Client::V5(c) => {
+                let mut p = p5::Publish::new("", Q5::AtLeastOnce, Vec::new(), None);
+                p.pkid = token.0;
+                c.try_ack(&p).is_ok()
+            }
         }
     }
 
@@ -233,19 +245,25 @@ pub(crate) fn start(
     match config.protocol {
         Protocol::V311 => {
             let mut o = rumqttc::MqttOptions::new(&config.client_id, &config.host, config.port);
-            o.set_clean_session(false).set_manual_acks(true).set_keep_alive(config.keep_alive);
+            o.set_clean_session(false)
+                .set_manual_acks(true)
+                .set_keep_alive(config.keep_alive);
             o.set_transport(config.transport());
             if let Some((u, p)) = &config.credentials {
                 o.set_credentials(u, p);
             }
             let (client, conn) = rumqttc::Client::new(o, cap);
             let sub = client.clone();
-            let handle = std::thread::Builder::new().name(name).spawn(move || poll_v4(conn, sub, topics, tx, shared))?;
+            let handle = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || poll_v4(conn, sub, topics, tx, shared))?;
             Ok((Client::V4(client), handle))
         }
         Protocol::V5 => {
             let mut o = rumqttc::v5::MqttOptions::new(&config.client_id, &config.host, config.port);
-            o.set_clean_start(false).set_manual_acks(true).set_keep_alive(config.keep_alive);
+            o.set_clean_start(false)
+                .set_manual_acks(true)
+                .set_keep_alive(config.keep_alive);
             o.set_session_expiry_interval(Some(config.session_expiry));
             o.set_receive_maximum(Some(config.inflight));
             o.set_transport(config.transport());
@@ -254,7 +272,9 @@ pub(crate) fn start(
             }
             let (client, conn) = rumqttc::v5::Client::new(o, cap);
             let sub = client.clone();
-            let handle = std::thread::Builder::new().name(name).spawn(move || poll_v5(conn, sub, topics, tx, shared))?;
+            let handle = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || poll_v5(conn, sub, topics, tx, shared))?;
             Ok((Client::V5(client), handle))
         }
     }
@@ -291,14 +311,25 @@ fn poll_v4(
             Ok(Ok(E::Incoming(Packet::ConnAck(ack)))) => {
                 backoff = FIRST_BACKOFF;
                 let epoch = shared.epoch.fetch_add(1, Ordering::SeqCst) + 1;
-                log::info!("connected (session present: {}), connection epoch {epoch}", ack.session_present);
+                log::info!(
+                    "connected (session present: {}), connection epoch {epoch}",
+                    ack.session_present
+                );
                 if !ack.session_present {
-                    let filters = topics.iter().map(|t| rumqttc::SubscribeFilter::new(t.clone(), QoS::AtLeastOnce));
+                    let filters = topics
+                        .iter()
+                        .map(|t| rumqttc::SubscribeFilter::new(t.clone(), QoS::AtLeastOnce));
                     if let Err(e) = client.try_subscribe_many(filters) {
                         log::error!("could not queue the subscription: {e}");
                     }
                 }
-                if tx.send(Event::Connected { epoch, session_present: ack.session_present }).is_err() {
+                if tx
+                    .send(Event::Connected {
+                        epoch,
+                        session_present: ack.session_present,
+                    })
+                    .is_err()
+                {
                     return;
                 }
             }
@@ -306,19 +337,30 @@ fn poll_v4(
                 let epoch = shared.epoch.load(Ordering::SeqCst);
                 let payload = std::mem::take(&mut p.payload).to_vec();
                 let incoming = Incoming::new(std::mem::take(&mut p.topic), payload);
-                let token = (p.qos == QoS::AtLeastOnce).then_some(AckToken::V4(p));
-                if tx.send(Event::Publish { epoch, incoming, token }).is_err() {
+                let token = (p.qos == QoS::AtLeastOnce).then_some(AckToken(p.pkid));
+                if tx
+                    .send(Event::Publish {
+                        epoch,
+                        incoming,
+                        token,
+                    })
+                    .is_err()
+                {
                     return;
                 }
             }
-            Ok(Ok(E::Outgoing(Outgoing::Disconnect))) if shared.stop.load(Ordering::Relaxed) => return,
+            Ok(Ok(E::Outgoing(Outgoing::Disconnect))) if shared.stop.load(Ordering::Relaxed) => {
+                return
+            }
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {
                 shared.epoch.fetch_add(1, Ordering::SeqCst);
                 if shared.stop.load(Ordering::Relaxed) {
                     return;
                 }
-                log::warn!("connection to the broker lost or refused: {e}; retrying in {backoff:?}");
+                log::warn!(
+                    "connection to the broker lost or refused: {e}; retrying in {backoff:?}"
+                );
                 nap(backoff, &shared.stop);
                 backoff = backoff_next(backoff);
             }
@@ -342,14 +384,25 @@ fn poll_v5(
             Ok(Ok(E::Incoming(Packet::ConnAck(ack)))) => {
                 backoff = FIRST_BACKOFF;
                 let epoch = shared.epoch.fetch_add(1, Ordering::SeqCst) + 1;
-                log::info!("connected (session present: {}), connection epoch {epoch}", ack.session_present);
+                log::info!(
+                    "connected (session present: {}), connection epoch {epoch}",
+                    ack.session_present
+                );
                 if !ack.session_present {
-                    let filters = topics.iter().map(|t| p5::Filter::new(t.clone(), Q5::AtLeastOnce));
+                    let filters = topics
+                        .iter()
+                        .map(|t| p5::Filter::new(t.clone(), Q5::AtLeastOnce));
                     if let Err(e) = client.try_subscribe_many(filters) {
                         log::error!("could not queue the subscription: {e}");
                     }
                 }
-                if tx.send(Event::Connected { epoch, session_present: ack.session_present }).is_err() {
+                if tx
+                    .send(Event::Connected {
+                        epoch,
+                        session_present: ack.session_present,
+                    })
+                    .is_err()
+                {
                     return;
                 }
             }
@@ -361,19 +414,30 @@ fn poll_v5(
                 if let Some(props) = p.properties.as_mut() {
                     incoming.user_properties = std::mem::take(&mut props.user_properties);
                 }
-                let token = (p.qos == Q5::AtLeastOnce).then_some(AckToken::V5(p));
-                if tx.send(Event::Publish { epoch, incoming, token }).is_err() {
+                let token = (p.qos == Q5::AtLeastOnce).then_some(AckToken(p.pkid));
+                if tx
+                    .send(Event::Publish {
+                        epoch,
+                        incoming,
+                        token,
+                    })
+                    .is_err()
+                {
                     return;
                 }
             }
-            Ok(Ok(E::Outgoing(Outgoing::Disconnect))) if shared.stop.load(Ordering::Relaxed) => return,
+            Ok(Ok(E::Outgoing(Outgoing::Disconnect))) if shared.stop.load(Ordering::Relaxed) => {
+                return
+            }
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {
                 shared.epoch.fetch_add(1, Ordering::SeqCst);
                 if shared.stop.load(Ordering::Relaxed) {
                     return;
                 }
-                log::warn!("connection to the broker lost or refused: {e}; retrying in {backoff:?}");
+                log::warn!(
+                    "connection to the broker lost or refused: {e}; retrying in {backoff:?}"
+                );
                 nap(backoff, &shared.stop);
                 backoff = backoff_next(backoff);
             }

@@ -12,10 +12,20 @@ use edge_inbox::{Config, Consumer, Envelope, Inbox, Limits, MqttConfig, Protocol
 
 const SCOPE: &str = "inventory-reservation";
 
-fn consumer(broker: &Broker, db: &Path, client_id: &str, protocol: Protocol, config: Config) -> Consumer {
+fn consumer(
+    broker: &Broker,
+    db: &Path,
+    client_id: &str,
+    protocol: Protocol,
+    config: Config,
+) -> Consumer {
     let inbox = Inbox::open(db, config).unwrap();
-    let mqtt = MqttConfig::new("127.0.0.1", broker.port, client_id).protocol(protocol).subscribe("orders/#");
-    Consumer::new(inbox, SCOPE, mqtt).batch(64, Duration::from_millis(5)).exit_when_idle(Duration::from_millis(1500))
+    let mqtt = MqttConfig::new("127.0.0.1", broker.port, client_id)
+        .protocol(protocol)
+        .subscribe("orders/#");
+    Consumer::new(inbox, SCOPE, mqtt)
+        .batch(64, Duration::from_millis(5))
+        .exit_when_idle(Duration::from_millis(1500))
 }
 
 /// Connects once so the broker holds a persistent, subscribed session for `client_id`.
@@ -25,13 +35,16 @@ fn init_log() {
 
 fn prime(broker: &Broker, db: &Path, client_id: &str, protocol: Protocol) {
     init_log();
-    let mut c = consumer(broker, db, client_id, protocol, Config::default()).exit_when_idle(Duration::from_millis(300));
+    let mut c = consumer(broker, db, client_id, protocol, Config::default())
+        .exit_when_idle(Duration::from_millis(300));
     let s = c.run(inventory_handler).unwrap();
     assert!(s.connections >= 1, "never connected: {s:?}");
 }
 
 fn drain(broker: &Broker, db: &Path, client_id: &str, protocol: Protocol) -> RunSummary {
-    consumer(broker, db, client_id, protocol, Config::default()).run(inventory_handler).unwrap()
+    consumer(broker, db, client_id, protocol, Config::default())
+        .run(inventory_handler)
+        .unwrap()
 }
 
 fn order(order: u32, sku: &str, qty: i64, kind: &str) -> String {
@@ -45,23 +58,57 @@ fn mosquitto_pub_v5_duplicates_conflicts_and_missing_ids_are_counted_and_acked()
     let db = dir.path().join("inbox.db");
     prime(&broker, &db, "inv-pub", Protocol::V5);
 
-    broker.publish_v5("orders/42", Some("evt-42-created"), &order(42, "A-1", 2, "created"));
-    broker.publish_v5("orders/43", Some("evt-43-created"), &order(43, "A-1", 1, "created"));
-    broker.publish_v5("orders/42", Some("evt-42-created"), &order(42, "A-1", 2, "created")); // redelivery
-    broker.publish_v5("orders/42", Some("evt-42-created"), &order(42, "A-1", 9, "created")); // conflict
+    broker.publish_v5(
+        "orders/42",
+        Some("evt-42-created"),
+        &order(42, "A-1", 2, "created"),
+    );
+    broker.publish_v5(
+        "orders/43",
+        Some("evt-43-created"),
+        &order(43, "A-1", 1, "created"),
+    );
+    broker.publish_v5(
+        "orders/42",
+        Some("evt-42-created"),
+        &order(42, "A-1", 2, "created"),
+    ); // redelivery
+    broker.publish_v5(
+        "orders/42",
+        Some("evt-42-created"),
+        &order(42, "A-1", 9, "created"),
+    ); // conflict
     broker.publish_v5("orders/44", None, &order(44, "A-1", 5, "created")); // no id
-    broker.publish_v5("orders/43", Some("evt-43-cancelled"), &order(43, "A-1", 1, "cancelled"));
+    broker.publish_v5(
+        "orders/43",
+        Some("evt-43-cancelled"),
+        &order(43, "A-1", 1, "cancelled"),
+    );
 
     let s = drain(&broker, &db, "inv-pub", Protocol::V5);
-    assert_eq!((s.processed, s.duplicates, s.conflicts, s.quarantined), (3, 1, 1, 1), "{s:?}");
-    assert_eq!(s.acked, 6, "every delivery acked once its fate was committed: {s:?}");
+    assert_eq!(
+        (s.processed, s.duplicates, s.conflicts, s.quarantined),
+        (3, 1, 1, 1),
+        "{s:?}"
+    );
+    assert_eq!(
+        s.acked, 6,
+        "every delivery acked once its fate was committed: {s:?}"
+    );
     assert_eq!(reserved(&db, SCOPE, "A-1"), 2);
 
     let inbox = Inbox::open(&db, Config::default()).unwrap();
     let st = inbox.scope_stats(SCOPE).unwrap();
-    assert_eq!((st.processed, st.duplicates, st.conflicts, st.quarantined), (3, 1, 1, 1));
-    let (topic, reason): (String, String) =
-        inbox.connection().query_row("SELECT topic, reason FROM quarantine", [], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+    assert_eq!(
+        (st.processed, st.duplicates, st.conflicts, st.quarantined),
+        (3, 1, 1, 1)
+    );
+    let (topic, reason): (String, String) = inbox
+        .connection()
+        .query_row("SELECT topic, reason FROM quarantine", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .unwrap();
     assert_eq!(topic, "orders/44");
     assert!(reason.contains("no application message id"), "{reason}");
 
@@ -80,20 +127,25 @@ fn rumqttc_v5_publisher_with_producer_namespaces() {
     for i in 0..50u32 {
         // The same id from two producers is two different events.
         for p in ["shop-1", "shop-2"] {
-            let mut m = Msg::new(&format!("orders/{i}"), Some(&format!("evt-{i}")), order(i, "B-2", 1, "created"));
+            let mut m = Msg::new(
+                &format!("orders/{i}"),
+                Some(&format!("evt-{i}")),
+                order(i, "B-2", 1, "created"),
+            );
             m.producer = Some(p.into());
             msgs.push(m);
         }
     }
     // Every event once more (a relay republishing).
-    let repeats: Vec<Msg> = msgs
-        .iter()
-        .map(|m| Msg { topic: m.topic.clone(), id: m.id.clone(), producer: m.producer.clone(), payload: m.payload.clone() })
-        .collect();
+    let repeats = msgs.clone();
     publish_v5(broker.port, &msgs);
     publish_v5(broker.port, &repeats);
     let s = drain(&broker, &db, "inv-rq", Protocol::V5);
-    assert_eq!((s.processed, s.duplicates, s.acked), (100, 100, 200), "{s:?}");
+    assert_eq!(
+        (s.processed, s.duplicates, s.acked),
+        (100, 100, 200),
+        "{s:?}"
+    );
     assert_eq!(reserved(&db, SCOPE, "B-2"), 100);
 }
 
@@ -103,17 +155,44 @@ fn mqtt_311_consumer_takes_identities_from_cbor_envelopes() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inbox.db");
     prime(&broker, &db, "inv-311", Protocol::V311);
-    let env = |id: &str, body: String| Envelope::new(id, body.into_bytes()).producer("shop-1").seq(1).encode();
+    let env = |id: &str, body: String| {
+        Envelope::new(id, body.into_bytes())
+            .producer("shop-1")
+            .seq(1)
+            .encode()
+    };
     let msgs = vec![
-        ("orders/1".to_string(), env("e-1", order(1, "C-3", 4, "created"))),
-        ("orders/1".to_string(), env("e-1", order(1, "C-3", 4, "created"))),
-        ("orders/1".to_string(), env("e-1", order(1, "C-3", 5, "created"))),
+        (
+            "orders/1".to_string(),
+            env("e-1", order(1, "C-3", 4, "created")),
+        ),
+        (
+            "orders/1".to_string(),
+            env("e-1", order(1, "C-3", 4, "created")),
+        ),
+        (
+            "orders/1".to_string(),
+            env("e-1", order(1, "C-3", 5, "created")),
+        ),
         ("orders/2".to_string(), b"not cbor at all".to_vec()),
-        ("orders/3".to_string(), env("e-3", order(3, "C-3", 1, "created"))),
+        (
+            "orders/3".to_string(),
+            env("e-3", order(3, "C-3", 1, "created")),
+        ),
     ];
     publish_v311(broker.port, &msgs);
     let s = drain(&broker, &db, "inv-311", Protocol::V311);
-    assert_eq!((s.processed, s.duplicates, s.conflicts, s.quarantined, s.acked), (2, 1, 1, 1, 5), "{s:?}");
+    assert_eq!(
+        (
+            s.processed,
+            s.duplicates,
+            s.conflicts,
+            s.quarantined,
+            s.acked
+        ),
+        (2, 1, 1, 1, 5),
+        "{s:?}"
+    );
     assert_eq!(reserved(&db, SCOPE, "C-3"), 5);
     let reason: String = Inbox::open(&db, Config::default())
         .unwrap()
@@ -128,40 +207,77 @@ fn bad_json_is_dead_lettered_after_retries_and_oversized_payloads_are_quarantine
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inbox.db");
-    let limits = Limits { max_payload_len: 1024, ..Limits::default() };
+    let limits = Limits {
+        max_payload_len: 1024,
+        ..Limits::default()
+    };
     prime(&broker, &db, "inv-bad", Protocol::V5);
     broker.publish_v5("orders/1", Some("evt-1"), &order(1, "D-4", 1, "created"));
     broker.publish_v5("orders/2", Some("evt-2"), "{not json");
     broker.publish_v5("orders/3", Some("evt-3"), &"x".repeat(4096));
     broker.publish_v5("orders/4", Some("evt-4"), &order(4, "D-4", 1, "created"));
 
-    let mut c = consumer(&broker, &db, "inv-bad", Protocol::V5, Config::default().limits(limits)).handler_attempts(3);
+    let mut c = consumer(
+        &broker,
+        &db,
+        "inv-bad",
+        Protocol::V5,
+        Config::default().limits(limits),
+    )
+    .handler_attempts(3);
     let s = c.run(inventory_handler).unwrap();
-    assert_eq!((s.processed, s.handler_failures, s.dead_lettered, s.quarantined, s.acked), (2, 3, 1, 1, 4), "{s:?}");
+    assert_eq!(
+        (
+            s.processed,
+            s.handler_failures,
+            s.dead_lettered,
+            s.quarantined,
+            s.acked
+        ),
+        (2, 3, 1, 1, 4),
+        "{s:?}"
+    );
     assert_eq!(reserved(&db, SCOPE, "D-4"), 2);
     let inbox = c.into_inbox();
     let st = inbox.scope_stats(SCOPE).unwrap();
-    assert_eq!((st.dead_lettered, st.quarantined, st.handler_failures), (1, 1, 3));
+    assert_eq!(
+        (st.dead_lettered, st.quarantined, st.handler_failures),
+        (1, 1, 3)
+    );
     let (state, attempts, err, payload): (i64, i64, String, Vec<u8>) = inbox
         .connection()
-        .query_row("SELECT state, attempts, last_error, payload FROM messages WHERE message_id = 'evt-2'", [], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
-        })
+        .query_row(
+            "SELECT state, attempts, last_error, payload FROM messages WHERE message_id = 'evt-2'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+        )
         .unwrap();
-    assert_eq!((state, attempts, payload.as_slice()), (3, 3, &b"{not json"[..]));
+    assert_eq!(
+        (state, attempts, payload.as_slice()),
+        (3, 3, &b"{not json"[..])
+    );
     assert!(err.contains("handler failed 3 time(s)"), "{err}");
     let (reason, len): (String, i64) = inbox
         .connection()
-        .query_row("SELECT reason, length(payload) FROM quarantine", [], |r| Ok((r.get(0)?, r.get(1)?)))
+        .query_row("SELECT reason, length(payload) FROM quarantine", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
         .unwrap();
     assert!(reason.contains("payload is 4096 bytes"), "{reason}");
-    assert_eq!(len, 4096, "the oversized payload is kept whole for the operator");
+    assert_eq!(
+        len, 4096,
+        "the oversized payload is kept whole for the operator"
+    );
 
     // A redelivery of the dead-lettered message is a duplicate: the handler does not run again.
     drop(inbox);
     broker.publish_v5("orders/2", Some("evt-2"), "{not json");
     let s = drain(&broker, &db, "inv-bad", Protocol::V5);
-    assert_eq!((s.duplicates, s.handler_failures, s.acked), (1, 0, 1), "{s:?}");
+    assert_eq!(
+        (s.duplicates, s.handler_failures, s.acked),
+        (1, 0, 1),
+        "{s:?}"
+    );
 }
 
 #[test]
@@ -172,7 +288,15 @@ fn broker_restart_mid_stream_loses_and_doubles_nothing() {
     prime(&broker, &db, "inv-restart", Protocol::V5);
     let n = common::scaled(400) as u32;
     let msgs = |range: std::ops::Range<u32>| -> Vec<Msg> {
-        range.map(|i| Msg::new(&format!("orders/{i}"), Some(&format!("evt-{i}")), order(i, "E-5", 1, "created"))).collect()
+        range
+            .map(|i| {
+                Msg::new(
+                    &format!("orders/{i}"),
+                    Some(&format!("evt-{i}")),
+                    order(i, "E-5", 1, "created"),
+                )
+            })
+            .collect()
     };
     let c = consumer(&broker, &db, "inv-restart", Protocol::V5, Config::default());
     let mut c = c.exit_when_idle(Duration::from_secs(4));
@@ -187,17 +311,23 @@ fn broker_restart_mid_stream_loses_and_doubles_nothing() {
     // Replays of the first half after the restart.
     publish_v5(broker.port, &msgs(0..n / 4));
     let inbox_done = common::wait_for(Duration::from_secs(60), || {
-        let st = Inbox::open(&db, Config::default()).ok()?.scope_stats(SCOPE).ok()?;
+        let st = Inbox::open(&db, Config::default())
+            .ok()?
+            .scope_stats(SCOPE)
+            .ok()?;
         (st.processed + st.duplicates >= u64::from(n + n / 4)).then_some(())
     });
     stop.stop();
     let (s, mut inbox) = worker.join().unwrap();
     assert!(inbox_done.is_some(), "not everything arrived: {s:?}");
-    assert!(s.connections >= 2, "the consumer reconnected after the broker restart: {s:?}");
+    assert!(
+        s.connections >= 2,
+        "the consumer reconnected after the broker restart: {s:?}"
+    );
     let st = inbox.scope_stats(SCOPE).unwrap();
     assert_eq!(st.processed, u64::from(n), "{st:?}");
     assert_eq!(reserved(&db, SCOPE, "E-5"), i64::from(n));
-    assert_eq!(inbox.status(SCOPE, None, "evt-0").map(|s| matches!(s, edge_inbox::Status::Recorded { .. })).unwrap(), true);
+    assert!(matches!(inbox.status(SCOPE, None, "evt-0").unwrap(), edge_inbox::Status::Recorded { .. }));
 }
 
 #[test]
@@ -214,12 +344,17 @@ fn acks_leave_in_arrival_order_as_seen_by_the_broker() {
             0 => Msg::new("orders/x", None, "no id"),
             1 => Msg::new("orders/x", Some(&format!("bad-{i}")), "{oops"),
             2 => Msg::new("orders/x", Some("same"), order(0, "F-6", 1, "created")),
-            _ => Msg::new("orders/x", Some(&format!("evt-{i}")), order(i, "F-6", 1, "created")),
+            _ => Msg::new(
+                "orders/x",
+                Some(&format!("evt-{i}")),
+                order(i, "F-6", 1, "created"),
+            ),
         };
         msgs.push(m);
     }
     publish_v5(broker.port, &msgs);
-    let mut c = consumer(&broker, &db, "inv-order", Protocol::V5, Config::default()).handler_attempts(2);
+    let mut c =
+        consumer(&broker, &db, "inv-order", Protocol::V5, Config::default()).handler_attempts(2);
     c = c.batch(10, Duration::from_millis(50));
     let s = c.run(inventory_handler).unwrap();
     assert_eq!(s.acked, 60, "{s:?}");
@@ -228,7 +363,11 @@ fn acks_leave_in_arrival_order_as_seen_by_the_broker() {
     let (mut sent, mut acked) = (Vec::new(), Vec::new());
     for line in log.lines() {
         if let Some(rest) = line.split("Sending PUBLISH to inv-order (").nth(1) {
-            let mid = rest.split(", ").find_map(|f| f.strip_prefix('m')).unwrap().to_string();
+            let mid = rest
+                .split(", ")
+                .find_map(|f| f.strip_prefix('m'))
+                .unwrap()
+                .to_string();
             sent.push(mid);
         } else if let Some(rest) = line.split("Received PUBACK from inv-order (Mid: ").nth(1) {
             acked.push(rest.split([',', ')']).next().unwrap().to_string());

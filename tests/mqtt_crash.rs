@@ -25,7 +25,10 @@ fn consumer(port: u16, db: &Path) -> Consumer {
 #[test]
 #[ignore = "child process of kill9_consumer_at_random_moments_loses_and_doubles_nothing"]
 fn crash_child() {
-    let (Ok(port), Ok(db)) = (std::env::var("EDGE_INBOX_CRASH_PORT"), std::env::var("EDGE_INBOX_CRASH_DB")) else {
+    let (Ok(port), Ok(db)) = (
+        std::env::var("EDGE_INBOX_CRASH_PORT"),
+        std::env::var("EDGE_INBOX_CRASH_DB"),
+    ) else {
         return;
     };
     let mut c = consumer(port.parse().unwrap(), Path::new(&db));
@@ -50,11 +53,13 @@ impl Drop for Guard {
 
 fn spawn_child(port: u16, db: &Path, idle: Option<u64>) -> Guard {
     let mut cmd = common::child_command("crash_child");
-    cmd.env("EDGE_INBOX_CRASH_PORT", port.to_string()).env("EDGE_INBOX_CRASH_DB", db);
+    cmd.env("EDGE_INBOX_CRASH_PORT", port.to_string())
+        .env("EDGE_INBOX_CRASH_DB", db);
     if let Some(idle) = idle {
         cmd.env("EDGE_INBOX_CRASH_IDLE", idle.to_string());
     }
-    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
     Guard(cmd.spawn().expect("spawn consumer child"))
 }
 
@@ -75,16 +80,26 @@ impl Rng {
 
 #[test]
 fn kill9_consumer_at_random_moments_loses_and_doubles_nothing() {
-    let seed = std::env::var("EDGE_INBOX_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
-    });
+    let seed = std::env::var("EDGE_INBOX_CRASH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
     println!("seed {seed} (set EDGE_INBOX_CRASH_SEED to replay)");
     let mut rng = Rng(seed);
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inbox.db");
     // A persistent, subscribed session exists before anything is published.
-    let s = consumer(broker.port, &db).exit_when_idle(Duration::from_millis(300)).run(inventory_handler).unwrap();
+    let s = consumer(broker.port, &db)
+        .exit_when_idle(Duration::from_millis(300))
+        .run(inventory_handler)
+        .unwrap();
     assert!(s.connections >= 1);
 
     // Distinct events: orders created, a third of them later cancelled; then a quarter of all events repeated.
@@ -96,11 +111,21 @@ fn kill9_consumer_at_random_moments_loses_and_doubles_nothing() {
         order += 1;
         let sku = format!("S-{}", rng.below(8));
         let qty = 1 + rng.below(3) as i64;
-        let body = |kind: &str| format!(r#"{{"order":{order},"sku":"{sku}","qty":{qty},"kind":"{kind}"}}"#);
-        events.push(Msg::new(&format!("orders/{order}"), Some(&format!("evt-{order}-created")), body("created")));
+        let body = |kind: &str| {
+            format!(r#"{{"order":{order},"sku":"{sku}","qty":{qty},"kind":"{kind}"}}"#)
+        };
+        events.push(Msg::new(
+            &format!("orders/{order}"),
+            Some(&format!("evt-{order}-created")),
+            body("created"),
+        ));
         *expected.entry(sku.clone()).or_default() += qty;
         if rng.below(3) == 0 && events.len() < n {
-            events.push(Msg::new(&format!("orders/{order}"), Some(&format!("evt-{order}-cancelled")), body("cancelled")));
+            events.push(Msg::new(
+                &format!("orders/{order}"),
+                Some(&format!("evt-{order}-cancelled")),
+                body("cancelled"),
+            ));
             *expected.entry(sku.clone()).or_default() -= qty;
         }
     }
@@ -137,14 +162,26 @@ fn kill9_consumer_at_random_moments_loses_and_doubles_nothing() {
     // A last consumer drains whatever is left and exits once idle.
     let mut last = spawn_child(port, &db, Some(3));
     let exited = common::wait_for(Duration::from_secs(120), || last.0.try_wait().unwrap());
-    assert!(exited.is_some_and(|s| s.success()), "final consumer did not finish: {exited:?}");
+    assert!(
+        exited.is_some_and(|s| s.success()),
+        "final consumer did not finish: {exited:?}"
+    );
 
     let inbox = Inbox::open(&db, Config::default()).unwrap();
     let st = inbox.scope_stats(SCOPE).unwrap();
     println!("{total} deliveries published ({distinct} distinct), {kills} kills: {st:?}");
-    assert_eq!(st.processed, distinct, "every distinct event applied exactly once");
-    assert_eq!((st.conflicts, st.quarantined, st.handler_failures), (0, 0, 0));
-    let identities: i64 = inbox.connection().query_row("SELECT count(*) FROM identities", [], |r| r.get(0)).unwrap();
+    assert_eq!(
+        st.processed, distinct,
+        "every distinct event applied exactly once"
+    );
+    assert_eq!(
+        (st.conflicts, st.quarantined, st.handler_failures),
+        (0, 0, 0)
+    );
+    let identities: i64 = inbox
+        .connection()
+        .query_row("SELECT count(*) FROM identities", [], |r| r.get(0))
+        .unwrap();
     assert_eq!(identities as u64, distinct);
     for (sku, qty) in &expected {
         assert_eq!(reserved(&db, SCOPE, sku), *qty, "reserved stock of {sku}");

@@ -17,7 +17,11 @@ pub fn mosquitto_path() -> PathBuf {
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 pub struct Broker {
@@ -36,7 +40,13 @@ impl Broker {
 
     pub fn start_with(max_inflight: u16) -> Broker {
         let dir = tempfile::tempdir().unwrap();
-        let mut b = Broker { port: free_port(), dir, child: None, max_inflight, verbose: false };
+        let mut b = Broker {
+            port: free_port(),
+            dir,
+            child: None,
+            max_inflight,
+            verbose: false,
+        };
         b.spawn();
         b
     }
@@ -44,7 +54,13 @@ impl Broker {
     /// A broker that logs every packet (to check ack order from the broker's side).
     pub fn start_verbose(max_inflight: u16) -> Broker {
         let dir = tempfile::tempdir().unwrap();
-        let mut b = Broker { port: free_port(), dir, child: None, max_inflight, verbose: true };
+        let mut b = Broker {
+            port: free_port(),
+            dir,
+            child: None,
+            max_inflight,
+            verbose: true,
+        };
         b.spawn();
         b
     }
@@ -64,7 +80,11 @@ impl Broker {
             self.max_inflight,
             self.dir.path().display()
         );
-        let config = if self.verbose { config + "log_type debug\n" } else { config };
+        let config = if self.verbose {
+            config + "log_type debug\n"
+        } else {
+            config
+        };
         std::fs::write(&conf, config).unwrap();
         let child = Command::new(mosquitto_path())
             .arg("-c")
@@ -76,7 +96,11 @@ impl Broker {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(Instant::now() < deadline, "mosquitto did not listen on {}", self.port);
+            assert!(
+                Instant::now() < deadline,
+                "mosquitto did not listen on {}",
+                self.port
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -90,7 +114,10 @@ impl Broker {
 
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill").arg("-TERM").arg(c.id().to_string()).status();
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(c.id().to_string())
+                .status();
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
                 if c.try_wait().unwrap().is_some() {
@@ -128,7 +155,11 @@ impl Broker {
             std::thread::sleep(Duration::from_millis(10));
         }
         let out = child.wait_with_output().unwrap();
-        assert!(out.status.success(), "mosquitto_pub {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "mosquitto_pub {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         out
     }
 
@@ -144,13 +175,30 @@ impl Broker {
     /// Publishes many lines as separate QoS1 messages (`-l`), each with the same properties.
     pub fn publish_lines_v5(&self, topic: &str, id: &str, lines: &str) {
         let mut child = Command::new("mosquitto_pub")
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-q", "1", "-V", "5", "-t", topic, "-l"])
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-q",
+                "1",
+                "-V",
+                "5",
+                "-t",
+                topic,
+                "-l",
+            ])
             .args(["-D", "publish", "user-property", "message-id", id])
             .stdin(Stdio::piped())
             .spawn()
             .unwrap();
         use std::io::Write;
-        child.stdin.take().unwrap().write_all(lines.as_bytes()).unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(lines.as_bytes())
+            .unwrap();
         assert!(child.wait().unwrap().success());
     }
 
@@ -169,6 +217,7 @@ impl Drop for Broker {
 }
 
 /// One message for [`publish_v5`]: topic, optional `message-id`, optional `producer`, payload.
+#[derive(Clone)]
 pub struct Msg {
     pub topic: String,
     pub id: Option<String>,
@@ -178,7 +227,12 @@ pub struct Msg {
 
 impl Msg {
     pub fn new(topic: &str, id: Option<&str>, payload: impl Into<Vec<u8>>) -> Msg {
-        Msg { topic: topic.into(), id: id.map(Into::into), producer: None, payload: payload.into() }
+        Msg {
+            topic: topic.into(),
+            id: id.map(Into::into),
+            producer: None,
+            payload: payload.into(),
+        }
     }
 }
 
@@ -187,16 +241,19 @@ pub fn publish_v5(port: u16, msgs: &[Msg]) {
     use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
     use rumqttc::v5::mqttbytes::QoS;
     use rumqttc::v5::{Client, Event, MqttOptions};
-    let mut o = MqttOptions::new(format!("pub-{}-{}", std::process::id(), free_port()), "127.0.0.1", port);
+    let mut o = MqttOptions::new(
+        format!("pub-{}-{}", std::process::id(), free_port()),
+        "127.0.0.1",
+        port,
+    );
     o.set_keep_alive(Duration::from_secs(30));
     let (client, mut conn) = Client::new(o, 64);
     let total = msgs.len();
     let publisher = {
         let client = client.clone();
-        let msgs: Vec<(String, Option<String>, Option<String>, Vec<u8>)> =
-            msgs.iter().map(|m| (m.topic.clone(), m.id.clone(), m.producer.clone(), m.payload.clone())).collect();
+        let msgs = msgs.to_vec();
         std::thread::spawn(move || {
-            for (topic, id, producer, payload) in msgs {
+            for Msg { topic, id, producer, payload } in msgs {
                 let mut props = PublishProperties::default();
                 if let Some(id) = id {
                     props.user_properties.push(("message-id".into(), id));
@@ -204,7 +261,10 @@ pub fn publish_v5(port: u16, msgs: &[Msg]) {
                 if let Some(p) = producer {
                     props.user_properties.push(("producer".into(), p));
                 }
-                if client.publish_with_properties(topic, QoS::AtLeastOnce, false, payload, props).is_err() {
+                if client
+                    .publish_with_properties(topic, QoS::AtLeastOnce, false, payload, props)
+                    .is_err()
+                {
                     return;
                 }
             }
@@ -213,7 +273,10 @@ pub fn publish_v5(port: u16, msgs: &[Msg]) {
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut acked = 0;
     while acked < total {
-        assert!(Instant::now() < deadline, "publisher: only {acked} of {total} PUBACKs");
+        assert!(
+            Instant::now() < deadline,
+            "publisher: only {acked} of {total} PUBACKs"
+        );
         match conn.recv_timeout(Duration::from_millis(500)) {
             Ok(Ok(Event::Incoming(Packet::PubAck(_)))) => acked += 1,
             Ok(Ok(_)) => {}
@@ -232,7 +295,11 @@ pub fn publish_v5(port: u16, msgs: &[Msg]) {
 /// Publishes CBOR envelopes with rumqttc over MQTT 3.1.1 at QoS1 and waits for every PUBACK.
 pub fn publish_v311(port: u16, msgs: &[(String, Vec<u8>)]) {
     use rumqttc::{Client, Event, MqttOptions, Packet, QoS};
-    let mut o = MqttOptions::new(format!("pub4-{}-{}", std::process::id(), free_port()), "127.0.0.1", port);
+    let mut o = MqttOptions::new(
+        format!("pub4-{}-{}", std::process::id(), free_port()),
+        "127.0.0.1",
+        port,
+    );
     o.set_keep_alive(Duration::from_secs(30));
     let (client, mut conn) = Client::new(o, 64);
     let total = msgs.len();
@@ -241,7 +308,10 @@ pub fn publish_v311(port: u16, msgs: &[(String, Vec<u8>)]) {
         let msgs = msgs.to_vec();
         std::thread::spawn(move || {
             for (topic, payload) in msgs {
-                if client.publish(topic, QoS::AtLeastOnce, false, payload).is_err() {
+                if client
+                    .publish(topic, QoS::AtLeastOnce, false, payload)
+                    .is_err()
+                {
                     return;
                 }
             }
@@ -250,7 +320,10 @@ pub fn publish_v311(port: u16, msgs: &[(String, Vec<u8>)]) {
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut acked = 0;
     while acked < total {
-        assert!(Instant::now() < deadline, "publisher: only {acked} of {total} PUBACKs");
+        assert!(
+            Instant::now() < deadline,
+            "publisher: only {acked} of {total} PUBACKs"
+        );
         match conn.recv_timeout(Duration::from_millis(500)) {
             Ok(Ok(Event::Incoming(Packet::PubAck(_)))) => acked += 1,
             Ok(Ok(_)) => {}
@@ -267,7 +340,10 @@ pub fn publish_v311(port: u16, msgs: &[(String, Vec<u8>)]) {
 
 /// The inventory handler of the seed scenario: JSON `{"order","sku","qty","kind"}`; `created` reserves,
 /// `cancelled` releases, in the built-in KV state under `reserved/<sku>`.
-pub fn inventory_handler(tx: &mut edge_inbox::Tx<'_>, d: &edge_inbox::Delivery<'_>) -> anyhow::Result<()> {
+pub fn inventory_handler(
+    tx: &mut edge_inbox::Tx<'_>,
+    d: &edge_inbox::Delivery<'_>,
+) -> anyhow::Result<()> {
     let v: serde_json::Value = serde_json::from_slice(d.payload)?;
     let sku = v["sku"].as_str().ok_or_else(|| anyhow::anyhow!("no sku"))?;
     let qty = v["qty"].as_i64().ok_or_else(|| anyhow::anyhow!("no qty"))?;
@@ -286,7 +362,12 @@ pub fn inventory_handler(tx: &mut edge_inbox::Tx<'_>, d: &edge_inbox::Delivery<'
 pub fn reserved(db: &Path, scope: &str, sku: &str) -> i64 {
     let conn = rusqlite::Connection::open(db).unwrap();
     let blob: Option<Vec<u8>> = conn
-        .query_row("SELECT value FROM kv WHERE ns = ?1 AND key = ?2", (scope, format!("reserved/{sku}")), |r| r.get(0))
+        .query_row(
+            "SELECT value FROM kv WHERE ns = ?1 AND key = ?2",
+            (scope, format!("reserved/{sku}")),
+            |r| r.get(0),
+        )
         .ok();
-    blob.map(|b| ciborium::from_reader(&b[..]).unwrap()).unwrap_or(0)
+    blob.map(|b| ciborium::from_reader(&b[..]).unwrap())
+        .unwrap_or(0)
 }
