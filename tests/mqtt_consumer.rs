@@ -327,7 +327,10 @@ fn broker_restart_mid_stream_loses_and_doubles_nothing() {
     let st = inbox.scope_stats(SCOPE).unwrap();
     assert_eq!(st.processed, u64::from(n), "{st:?}");
     assert_eq!(reserved(&db, SCOPE, "E-5"), i64::from(n));
-    assert!(matches!(inbox.status(SCOPE, None, "evt-0").unwrap(), edge_inbox::Status::Recorded { .. }));
+    assert!(matches!(
+        inbox.status(SCOPE, None, "evt-0").unwrap(),
+        edge_inbox::Status::Recorded { .. }
+    ));
 }
 
 #[test]
@@ -375,4 +378,92 @@ fn acks_leave_in_arrival_order_as_seen_by_the_broker() {
     }
     assert_eq!(sent.len(), 60, "{log}");
     assert_eq!(acked, sent, "PUBACKs in the order the PUBLISHes were sent");
+}
+
+#[test]
+fn storage_errors_ack_nothing_and_the_batch_is_retried_until_it_commits() {
+    let broker = Broker::start_verbose(20);
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    prime(&broker, &db, "inv-busy", Protocol::V5);
+    let n = 30u32;
+    let msgs: Vec<Msg> = (0..n)
+        .map(|i| {
+            Msg::new(
+                &format!("orders/{i}"),
+                Some(&format!("evt-{i}")),
+                order(i, "G-7", 1, "created"),
+            )
+        })
+        .collect();
+    publish_v5(broker.port, &msgs);
+    let busy = Config::default().busy_timeout(Duration::from_millis(50));
+
+    // Phase 1: another connection holds the write lock the whole time; the consumer is stopped meanwhile.
+    let c = consumer(&broker, &db, "inv-busy", Protocol::V5, busy.clone())
+        .exit_when_idle(Duration::from_secs(600));
+    let locker = edge_inbox::rusqlite::Connection::open(&db).unwrap();
+    locker.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let stop = c.stop_handle();
+    let worker = std::thread::spawn(move || {
+        let mut c = c;
+        c.run(inventory_handler).unwrap()
+    });
+    // Once the broker has sent the deliveries, give the consumer time to meet the lock, then stop it.
+    // (Unacked, the broker sends only up to its inflight window.)
+    let count = || broker.log().matches("Sending PUBLISH to inv-busy").count();
+    let sent = |more_than: usize| {
+        common::wait_for(Duration::from_secs(60), || {
+            (count() > more_than).then_some(())
+        })
+    };
+    assert!(sent(0).is_some(), "the broker never sent the deliveries");
+    std::thread::sleep(Duration::from_millis(500));
+    stop.stop();
+    let s = worker.join().unwrap();
+    assert!(s.storage_errors > 0, "{s:?}");
+    assert_eq!(
+        (s.processed, s.acked),
+        (0, 0),
+        "nothing committed, nothing acked: {s:?}"
+    );
+    locker.execute_batch("ROLLBACK").unwrap();
+
+    // Phase 2: the lock is released while the consumer retries; the same deliveries commit once and are acked.
+    let c = consumer(&broker, &db, "inv-busy", Protocol::V5, busy)
+        .exit_when_idle(Duration::from_secs(600));
+    locker.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let before = count();
+    let stop = c.stop_handle();
+    let worker = std::thread::spawn(move || {
+        let mut c = c;
+        c.run(inventory_handler).unwrap()
+    });
+    assert!(sent(before).is_some(), "the broker never redelivered");
+    std::thread::sleep(Duration::from_millis(500));
+    locker.execute_batch("ROLLBACK").unwrap();
+    let done = common::wait_for(Duration::from_secs(30), || {
+        let st = Inbox::open(&db, Config::default())
+            .ok()?
+            .scope_stats(SCOPE)
+            .ok()?;
+        (st.processed >= u64::from(n)).then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    stop.stop();
+    let s = worker.join().unwrap();
+    assert!(done.is_some(), "{s:?}");
+    assert_eq!(
+        s.received,
+        u64::from(n),
+        "everything unacked in phase 1 was redelivered: {s:?}"
+    );
+    assert!(s.storage_errors > 0, "{s:?}");
+    assert_eq!(
+        (s.processed, s.acked),
+        (u64::from(n), u64::from(n)),
+        "{s:?}"
+    );
+    assert_eq!(reserved(&db, SCOPE, "G-7"), i64::from(n));
+    assert_eq!(drain(&broker, &db, "inv-busy", Protocol::V5).received, 0);
 }

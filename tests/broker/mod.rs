@@ -253,7 +253,13 @@ pub fn publish_v5(port: u16, msgs: &[Msg]) {
         let client = client.clone();
         let msgs = msgs.to_vec();
         std::thread::spawn(move || {
-            for Msg { topic, id, producer, payload } in msgs {
+            for Msg {
+                topic,
+                id,
+                producer,
+                payload,
+            } in msgs
+            {
                 let mut props = PublishProperties::default();
                 if let Some(id) = id {
                     props.user_properties.push(("message-id".into(), id));
