@@ -314,7 +314,12 @@ impl Run<'_> {
                     self.drop_stale(batch.len());
                     batch.clear();
                     self.epoch = epoch;
-                    log::debug!("connection epoch {epoch} (session present: {session_present})");
+                    if !session_present && self.summary.connections > 1 {
+                        log::warn!(
+                            "the broker did not keep our session (expired, or restarted without persistence): \
+                             deliveries published while we were away may not arrive"
+                        );
+                    }
                 }
                 Event::Publish {
                     epoch,
@@ -362,7 +367,6 @@ impl Run<'_> {
     /// Commits the batch and acks it, in arrival order. Returns early, acking nothing more, when the
     /// connection ends or a stop is requested while storage keeps failing.
     fn settle<H: Handler>(&mut self, batch: &mut [Pending], handler: &mut H) {
-        log::debug!("settling a batch of {} deliveries", batch.len());
         let limits = *self.inbox.config().get_limits();
         // Identity and limits first: bad input is quarantined, so it can be acked like the rest.
         let mut good: Vec<usize> = Vec::with_capacity(batch.len());

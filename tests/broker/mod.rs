@@ -30,6 +30,8 @@ pub struct Broker {
     child: Option<Child>,
     max_inflight: u16,
     verbose: bool,
+    /// Listener options appended to the generated config (TLS, authentication).
+    extra: String,
 }
 
 impl Broker {
@@ -46,6 +48,7 @@ impl Broker {
             child: None,
             max_inflight,
             verbose: false,
+            extra: String::new(),
         };
         b.spawn();
         b
@@ -60,6 +63,7 @@ impl Broker {
             child: None,
             max_inflight,
             verbose: true,
+            extra: String::new(),
         };
         b.spawn();
         b
@@ -72,10 +76,11 @@ impl Broker {
         std::fs::set_permissions(self.dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
         let conf = self.dir.path().join("mosquitto.conf");
         let config = format!(
-            "listener {} 127.0.0.1\nallow_anonymous true\npersistence true\npersistence_location {}/\n\
+            "listener {} 127.0.0.1\nallow_anonymous {}\npersistence true\npersistence_location {}/\n\
              autosave_interval 1\nmax_inflight_messages {}\nmax_queued_messages 100000\n\
              log_dest file {}/mosquitto.log\nlog_type error\nlog_type warning\nlog_type notice\n",
             self.port,
+            self.extra.is_empty(),
             self.dir.path().display(),
             self.max_inflight,
             self.dir.path().display()
@@ -85,7 +90,7 @@ impl Broker {
         } else {
             config
         };
-        std::fs::write(&conf, config).unwrap();
+        std::fs::write(&conf, config + &self.extra).unwrap();
         let child = Command::new(mosquitto_path())
             .arg("-c")
             .arg(&conf)
@@ -103,6 +108,95 @@ impl Broker {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// A broker with a TLS listener (certificates made here with openssl, SAN IP:127.0.0.1) and password
+    /// authentication for `user`/`password`. Returns the broker and the CA certificate (PEM).
+    pub fn start_tls(user: &str, password: &str) -> (Broker, Vec<u8>) {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let run = |args: &[&str]| {
+            let out = Command::new(args[0])
+                .args(&args[1..])
+                .current_dir(d)
+                .output()
+                .expect(args[0]);
+            assert!(
+                out.status.success(),
+                "{args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        std::fs::write(d.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        let mut ca = vec!["openssl", "req", "-x509"];
+        ca.extend(ec);
+        ca.extend([
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=edge-inbox test CA",
+        ]);
+        run(&ca);
+        let mut csr = vec!["openssl", "req"];
+        csr.extend(ec);
+        csr.extend([
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=127.0.0.1",
+        ]);
+        run(&csr);
+        run(&[
+            "openssl",
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+        ]);
+        run(&["mosquitto_passwd", "-b", "-c", "passwd", user, password]);
+        use std::os::unix::fs::PermissionsExt;
+        for f in ["ca.crt", "server.crt", "server.key", "passwd"] {
+            std::fs::set_permissions(d.join(f), std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+        let extra = format!(
+            "cafile {0}/ca.crt\ncertfile {0}/server.crt\nkeyfile {0}/server.key\npassword_file {0}/passwd\n",
+            d.display()
+        );
+        let ca_pem = std::fs::read(d.join("ca.crt")).unwrap();
+        let mut b = Broker {
+            port: free_port(),
+            dir,
+            child: None,
+            max_inflight: 20,
+            verbose: false,
+            extra,
+        };
+        b.spawn();
+        (b, ca_pem)
     }
 
     /// Stops the broker gracefully (SIGTERM: it saves its persistence file) and starts it again on the same
