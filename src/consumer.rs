@@ -182,6 +182,8 @@ impl Consumer {
     }
 
     /// Connects, subscribes and consumes until stopped (or idle, with [`Consumer::exit_when_idle`]).
+    /// The handler runs on the calling thread, which owns the inbox. After an idle exit `run` may be
+    /// called again; after a [`StopHandle::stop`] it returns at once.
     ///
     /// Connection trouble is retried with backoff, storage errors too; `Err` only when the poll thread
     /// cannot be started.
@@ -197,7 +199,7 @@ impl Consumer {
         let (tx, rx) = sync_channel(window + 16);
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
-            stop: self.stop.flag(),
+            stop: Arc::new(AtomicBool::new(false)),
         });
         let (client, poller) = mqtt_conn::start(&self.mqtt, tx, shared.clone()).map_err(|e| {
             Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}"))
@@ -220,6 +222,7 @@ impl Consumer {
             outcomes: Vec::with_capacity(batch_size),
             rx,
             backlog: VecDeque::new(),
+            user_stop: self.stop.clone(),
         };
         let mut batch: Vec<Pending> = Vec::with_capacity(batch_size);
         let mut last_activity = Instant::now();
@@ -244,7 +247,7 @@ impl Consumer {
             }
         }
         // Whatever is still in the channel was never committed here: left unacked for the broker to redeliver.
-        self.stop.stop();
+        shared.stop.store(true, Ordering::SeqCst);
         client.disconnect();
         // Dropping the receiver frees a poll thread blocked handing over a delivery.
         let summary = run.summary;
@@ -277,6 +280,7 @@ struct Run<'a> {
     rx: Receiver<Event>,
     /// Events drained from the channel while waiting to queue an ack, in arrival order.
     backlog: VecDeque<Event>,
+    user_stop: StopHandle,
 }
 
 impl Run<'_> {
@@ -341,7 +345,7 @@ impl Run<'_> {
                     deadline.get_or_insert_with(|| Instant::now() + linger);
                 }
             }
-            if self.shared.stop.load(Ordering::Relaxed) {
+            if self.stopping() {
                 break;
             }
         }
@@ -358,6 +362,10 @@ impl Run<'_> {
         }
         self.summary.dropped_stale += n as u64;
         self.queue.clear();
+    }
+
+    fn stopping(&self) -> bool {
+        self.user_stop.is_stopped() || self.shared.stop.load(Ordering::Relaxed)
     }
 
     fn connection_current(&self) -> bool {
@@ -510,7 +518,7 @@ impl Run<'_> {
                     );
                     let until = Instant::now() + backoff;
                     while Instant::now() < until {
-                        if !self.connection_current() || self.shared.stop.load(Ordering::Relaxed) {
+                        if !self.connection_current() || self.stopping() {
                             return None;
                         }
                         std::thread::sleep(Duration::from_millis(20));
