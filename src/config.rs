@@ -41,12 +41,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            max_scope_len: 128,
-            max_id_len: 256,
-            max_topic_len: 1024,
-            max_payload_len: 1 << 20,
-        }
+        Limits { max_scope_len: 128, max_id_len: 256, max_topic_len: 1024, max_payload_len: 1 << 20 }
     }
 }
 

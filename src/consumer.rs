@@ -364,6 +364,17 @@ impl Run<'_> {
         self.queue.clear();
     }
 
+    /// Counts a settled outcome in this run's summary.
+    fn count(&mut self, outcome: &Outcome) {
+        match outcome {
+            Outcome::Processed => self.summary.processed += 1,
+            Outcome::Duplicate => self.summary.duplicates += 1,
+            Outcome::Conflict { .. } => self.summary.conflicts += 1,
+            // Handler failures are counted where they are retried.
+            _ => {}
+        }
+    }
+
     fn stopping(&self) -> bool {
         self.user_stop.is_stopped() || self.shared.stop.load(Ordering::Relaxed)
     }
@@ -432,17 +443,14 @@ impl Run<'_> {
         let mut all_settled = true;
         for (k, outcome) in outcomes.drain(..).enumerate() {
             let d = &deliveries[k];
-            match outcome {
-                Outcome::Processed => self.summary.processed += 1,
-                Outcome::Duplicate => self.summary.duplicates += 1,
-                Outcome::Conflict { .. } => self.summary.conflicts += 1,
-                Outcome::HandlerFailed(err) => {
-                    self.summary.handler_failures += 1;
-                    if !self.retry_handler(d, err, handler) {
-                        all_settled = false;
-                        break;
-                    }
+            if let Outcome::HandlerFailed(err) = outcome {
+                self.summary.handler_failures += 1;
+                if !self.retry_handler(d, err, handler) {
+                    all_settled = false;
+                    break;
                 }
+            } else {
+                self.count(&outcome);
             }
             self.queue.settle(batch[good[k]].ticket);
         }
@@ -473,11 +481,7 @@ impl Run<'_> {
                     err = e;
                 }
                 Some(o) => {
-                    match o {
-                        Outcome::Processed => self.summary.processed += 1,
-                        Outcome::Duplicate => self.summary.duplicates += 1,
-                        _ => self.summary.conflicts += 1,
-                    }
+                    self.count(&o);
                     return true;
                 }
             }

@@ -35,9 +35,7 @@ impl fmt::Display for InvalidDelivery {
         match self {
             InvalidDelivery::EmptyScope => f.write_str("consumer scope is empty"),
             InvalidDelivery::EmptyMessageId => f.write_str("message id is empty"),
-            InvalidDelivery::EmptyProducer => {
-                f.write_str("producer namespace is present but empty")
-            }
+            InvalidDelivery::EmptyProducer => f.write_str("producer namespace is present but empty"),
             InvalidDelivery::TooLong { field, len, max } => {
                 write!(f, "{field} is {len} bytes, over the limit of {max}")
             }
@@ -127,10 +125,7 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            Error::Busy { .. }
-                | Error::DiskFull
-                | Error::CommitUnknown { .. }
-                | Error::Storage { .. }
+            Error::Busy { .. } | Error::DiskFull | Error::CommitUnknown { .. } | Error::Storage { .. }
         )
     }
 
@@ -148,23 +143,16 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::Busy { code } => {
-                write!(f, "database is busy (SQLite code {code}); nothing written")
-            }
+            Error::Busy { code } => write!(f, "database is busy (SQLite code {code}); nothing written"),
             Error::DiskFull => f.write_str("database or disk is full; nothing written"),
             Error::ReadOnly { code } => {
-                write!(
-                    f,
-                    "database is read-only (SQLite code {code}); nothing written"
-                )
+                write!(f, "database is read-only (SQLite code {code}); nothing written")
             }
             Error::CommitUnknown { code, .. } => write!(
                 f,
                 "COMMIT failed with SQLite code {code}: outcome unknown, resolve by identity lookup"
             ),
-            Error::Storage { code, source } => {
-                write!(f, "storage error (SQLite code {code}): {source}")
-            }
+            Error::Storage { code, source } => write!(f, "storage error (SQLite code {code}): {source}"),
             Error::NotADatabase { path } => {
                 write!(f, "{} is not an SQLite database", path.display())
             }
@@ -173,9 +161,7 @@ impl fmt::Display for Error {
                 "database schema version {found} is newer than this build supports ({supported})"
             ),
             Error::Open { path, source } => write!(f, "cannot open {}: {source}", path.display()),
-            Error::Setting { wanted, got } => {
-                write!(f, "could not set {wanted}: SQLite reports {got}")
-            }
+            Error::Setting { wanted, got } => write!(f, "could not set {wanted}: SQLite reports {got}"),
             Error::InvalidDelivery(why) => write!(f, "invalid delivery: {why}"),
             Error::Codec(why) => write!(f, "state value codec error: {why}"),
             Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
@@ -215,10 +201,7 @@ impl From<rusqlite::Error> for Error {
     /// Classifies by the primary result code (low byte of the extended code).
     fn from(err: rusqlite::Error) -> Self {
         let Some(code) = extended_code(&err) else {
-            return Error::Storage {
-                code: -1,
-                source: err,
-            };
+            return Error::Storage { code: -1, source: err };
         };
         match code & 0xff {
             ffi::SQLITE_BUSY | ffi::SQLITE_LOCKED => Error::Busy { code },

@@ -33,15 +33,7 @@ pub struct Delivery<'a> {
 impl<'a> Delivery<'a> {
     /// A delivery without a producer namespace.
     pub fn new(scope: &'a str, message_id: &'a str, topic: &'a str, payload: &'a [u8]) -> Self {
-        Delivery {
-            scope,
-            producer: None,
-            message_id,
-            topic,
-            payload,
-            sequence: None,
-            sent_at: None,
-        }
+        Delivery { scope, producer: None, message_id, topic, payload, sequence: None, sent_at: None }
     }
 
     /// The same delivery with a producer namespace.
@@ -84,11 +76,7 @@ impl<'a> Delivery<'a> {
             return Err(InvalidDelivery::EmptyProducer);
         }
         check_len("scope", self.scope.len(), limits.max_scope_len)?;
-        check_len(
-            "producer",
-            self.producer.map_or(0, str::len),
-            limits.max_id_len,
-        )?;
+        check_len("producer", self.producer.map_or(0, str::len), limits.max_id_len)?;
         check_len("message id", self.message_id.len(), limits.max_id_len)?;
         check_len("topic", self.topic.len(), limits.max_topic_len)?;
         check_len("payload", self.payload.len(), limits.max_payload_len)?;
@@ -168,10 +156,7 @@ mod tests {
     #[test]
     fn hashes_are_stable_across_builds() {
         // Stored on disk: a change here is a schema change.
-        assert_eq!(
-            Fingerprint::of("orders/42", b"{}").to_string(),
-            format!("{:016x}", Fingerprint::of("orders/42", b"{}").0)
-        );
+        assert_eq!(Fingerprint::of("orders/42", b"{}").to_string(), format!("{:016x}", Fingerprint::of("orders/42", b"{}").0));
         let a = IdHash::of(None, "evt-42-created");
         assert_eq!(a, IdHash::of(None, "evt-42-created"));
         assert_ne!(a, IdHash::of(Some(""), "evt-42-created"));

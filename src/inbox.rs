@@ -48,10 +48,7 @@ pub struct Inbox {
 
 impl std::fmt::Debug for Inbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Inbox")
-            .field("path", &self.path)
-            .field("config", &self.config)
-            .finish()
+        f.debug_struct("Inbox").field("path", &self.path).field("config", &self.config).finish()
     }
 }
 
@@ -98,15 +95,9 @@ impl Inbox {
     /// `Ok` means the outcome is committed; acknowledge the delivery if [`Outcome::may_ack`]. `Err` means
     /// nothing is known to be committed: do not acknowledge ([`Error::CommitUnknown`] may in fact have
     /// committed; a redelivery and [`Inbox::status`] settle it).
-    pub fn process<H: Handler>(
-        &mut self,
-        delivery: &Delivery<'_>,
-        mut handler: H,
-    ) -> Result<Outcome> {
+    pub fn process<H: Handler>(&mut self, delivery: &Delivery<'_>, mut handler: H) -> Result<Outcome> {
         let mut outcome = None;
-        self.run(std::slice::from_ref(delivery), &mut handler, |_, o| {
-            outcome = Some(o)
-        })?;
+        self.run(std::slice::from_ref(delivery), &mut handler, |_, o| outcome = Some(o))?;
         Ok(outcome.expect("one delivery yields one outcome"))
     }
 
@@ -116,11 +107,7 @@ impl Inbox {
     ///
     /// All deliveries are validated first; an invalid one fails the call before anything is written.
     /// A storage error fails the whole batch: nothing of it is committed, nothing may be acked.
-    pub fn process_batch<H: Handler>(
-        &mut self,
-        deliveries: &[Delivery<'_>],
-        mut handler: H,
-    ) -> Result<Vec<Outcome>> {
+    pub fn process_batch<H: Handler>(&mut self, deliveries: &[Delivery<'_>], mut handler: H) -> Result<Vec<Outcome>> {
         let mut outcomes = Vec::with_capacity(deliveries.len());
         self.process_batch_into(deliveries, &mut handler, &mut outcomes)?;
         Ok(outcomes)
@@ -143,12 +130,7 @@ impl Inbox {
     }
 
     /// What is durably recorded for an identity: used to settle an [`Error::CommitUnknown`], and by tools.
-    pub fn status(
-        &mut self,
-        scope: &str,
-        producer: Option<&str>,
-        message_id: &str,
-    ) -> Result<Status> {
+    pub fn status(&mut self, scope: &str, producer: Option<&str>, message_id: &str) -> Result<Status> {
         status(&self.conn, scope, producer, message_id)
     }
 
@@ -156,13 +138,7 @@ impl Inbox {
     /// limit) in the `quarantine` table, with its topic, payload and reason, and counts it for `scope`.
     /// Once this returns `Ok` the delivery may be acked: it is kept for an operator, not lost.
     /// Returns the quarantine row id.
-    pub fn quarantine(
-        &mut self,
-        scope: &str,
-        topic: &str,
-        payload: &[u8],
-        reason: &str,
-    ) -> Result<i64> {
+    pub fn quarantine(&mut self, scope: &str, topic: &str, payload: &[u8], reason: &str) -> Result<i64> {
         let scope_id = self.scope_id(scope)?;
         let now = unix_now();
         begin(&self.conn)?;
@@ -174,9 +150,7 @@ impl Inbox {
                 .execute((scope_id, topic, payload, reason, now))?;
             let id = self.conn.last_insert_rowid();
             self.conn
-                .prepare_cached(
-                    "UPDATE scope_stats SET quarantined = quarantined + 1 WHERE scope_id = ?1",
-                )?
+                .prepare_cached("UPDATE scope_stats SET quarantined = quarantined + 1 WHERE scope_id = ?1")?
                 .execute([scope_id])?;
             Ok(id)
         })();
@@ -226,9 +200,7 @@ impl Inbox {
         self.counts.clear();
         begin(&self.conn)?;
         let applied = self.apply_all(deliveries, handler, now, &mut emit);
-        let result = applied
-            .and_then(|()| flush_counts(&self.conn, &self.counts))
-            .and_then(|()| commit(&self.conn));
+        let result = applied.and_then(|()| flush_counts(&self.conn, &self.counts)).and_then(|()| commit(&self.conn));
         if result.is_err() && !self.conn.is_autocommit() {
             // Best effort: if even ROLLBACK fails, SQLite rolls back when the connection closes or the
             // next BEGIN fails; nothing uncommitted is ever reported as done.
@@ -251,10 +223,7 @@ impl Inbox {
             let counts = match self.counts.iter_mut().find(|c| c.scope_id == scope_id) {
                 Some(c) => c,
                 None => {
-                    self.counts.push(Counts {
-                        scope_id,
-                        ..Counts::default()
-                    });
+                    self.counts.push(Counts { scope_id, ..Counts::default() });
                     self.counts.last_mut().expect("just pushed")
                 }
             };
@@ -271,10 +240,7 @@ impl Inbox {
 }
 
 pub(crate) fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
 }
 
 pub(crate) fn begin(conn: &Connection) -> Result<()> {
@@ -296,13 +262,7 @@ fn flush_counts(conn: &Connection, counts: &[Counts]) -> Result<()> {
          conflicts = conflicts + ?4, handler_failures = handler_failures + ?5 WHERE scope_id = ?1",
     )?;
     for c in counts {
-        stmt.execute((
-            c.scope_id,
-            c.processed,
-            c.duplicates,
-            c.conflicts,
-            c.handler_failures,
-        ))?;
+        stmt.execute((c.scope_id, c.processed, c.duplicates, c.conflicts, c.handler_failures))?;
     }
     Ok(())
 }
@@ -353,24 +313,15 @@ fn apply_one<H: Handler>(
 /// Inserts the identity of `d`, inside the caller's open transaction. `None`: the identity is new and now
 /// claimed (it commits or aborts with the caller's transaction). `Some`: it already existed, and the outcome
 /// says whether as a duplicate or a (now recorded) conflict. The primary key decides, never a prior query.
-pub(crate) fn claim_identity(
-    conn: &Connection,
-    d: &Delivery<'_>,
-    scope_id: i64,
-    now: i64,
-) -> Result<Option<Outcome>> {
+pub(crate) fn claim_identity(conn: &Connection, d: &Delivery<'_>, scope_id: i64, now: i64) -> Result<Option<Outcome>> {
     let id_hash = d.id_hash();
     let fingerprint = d.fingerprint();
     let inserted = conn
-        .prepare_cached(
-            "INSERT INTO identities (scope_id, id_hash, fingerprint, at) VALUES (?1, ?2, ?3, ?4)",
-        )?
+        .prepare_cached("INSERT INTO identities (scope_id, id_hash, fingerprint, at) VALUES (?1, ?2, ?3, ?4)")?
         .execute((scope_id, &id_hash.0[..], fingerprint.to_sql(), now));
     match inserted {
         Ok(_) => Ok(None),
-        Err(e) if is_unique_violation(&e) => {
-            existing(conn, d, scope_id, &id_hash, fingerprint, now).map(Some)
-        }
+        Err(e) if is_unique_violation(&e) => existing(conn, d, scope_id, &id_hash, fingerprint, now).map(Some),
         Err(e) => Err(e.into()),
     }
 }
@@ -438,26 +389,15 @@ fn storage_cause(err: &anyhow::Error) -> Option<Error> {
 }
 
 fn storage_error(code: i32) -> Error {
-    Error::from(rusqlite::Error::SqliteFailure(
-        rusqlite::ffi::Error::new(code),
-        None,
-    ))
+    Error::from(rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), None))
 }
 
 pub(crate) fn intern_scope(conn: &Connection, scope: &str, now: i64) -> Result<i64> {
     begin(conn)?;
     let result = (|| -> rusqlite::Result<i64> {
-        conn.execute(
-            "INSERT OR IGNORE INTO scopes (name, created_at) VALUES (?1, ?2)",
-            (scope, now),
-        )?;
-        let id: i64 = conn.query_row("SELECT id FROM scopes WHERE name = ?1", [scope], |r| {
-            r.get(0)
-        })?;
-        conn.execute(
-            "INSERT OR IGNORE INTO scope_stats (scope_id) VALUES (?1)",
-            [id],
-        )?;
+        conn.execute("INSERT OR IGNORE INTO scopes (name, created_at) VALUES (?1, ?2)", (scope, now))?;
+        let id: i64 = conn.query_row("SELECT id FROM scopes WHERE name = ?1", [scope], |r| r.get(0))?;
+        conn.execute("INSERT OR IGNORE INTO scope_stats (scope_id) VALUES (?1)", [id])?;
         Ok(id)
     })();
     match result {
@@ -470,12 +410,7 @@ pub(crate) fn intern_scope(conn: &Connection, scope: &str, now: i64) -> Result<i
 }
 
 /// Identity lookup shared by [`Inbox::status`] and read-only tools.
-pub(crate) fn status(
-    conn: &Connection,
-    scope: &str,
-    producer: Option<&str>,
-    message_id: &str,
-) -> Result<Status> {
+pub(crate) fn status(conn: &Connection, scope: &str, producer: Option<&str>, message_id: &str) -> Result<Status> {
     let id_hash = IdHash::of(producer, message_id);
     let row = conn
         .prepare_cached(

@@ -26,8 +26,7 @@ pub(crate) fn open(path: &Path, config: &Config) -> Result<Connection> {
     create_private(path)?;
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags).map_err(|e| classify_open(e, path))?;
-    conn.busy_timeout(config.busy_timeout)
-        .map_err(Error::from)?;
+    conn.busy_timeout(config.busy_timeout).map_err(Error::from)?;
     // Room for the core's statements plus a handler's own cached ones, so neither evicts the other.
     conn.set_prepared_statement_cache_capacity(64);
 
@@ -35,15 +34,11 @@ pub(crate) fn open(path: &Path, config: &Config) -> Result<Connection> {
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .map_err(|e| classify_open(e, path))?;
     if version > SCHEMA_VERSION {
-        return Err(Error::SchemaTooNew {
-            found: version,
-            supported: SCHEMA_VERSION,
-        });
+        return Err(Error::SchemaTooNew { found: version, supported: SCHEMA_VERSION });
     }
     if version == 0 {
         // Must precede the first table: auto_vacuum can only be chosen on an empty database.
-        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL")
-            .map_err(Error::from)?;
+        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL").map_err(Error::from)?;
     }
     set_wal(&conn)?;
     apply_settings(&conn, config)?;
@@ -56,10 +51,7 @@ pub(crate) fn open(path: &Path, config: &Config) -> Result<Connection> {
 /// Opens an existing inbox read-only (for inspection tools). Refuses a missing file or an unknown schema.
 pub fn open_read_only(path: &Path) -> Result<Connection> {
     if !path.exists() {
-        return Err(Error::Open {
-            path: path.to_owned(),
-            source: std::io::ErrorKind::NotFound.into(),
-        });
+        return Err(Error::Open { path: path.to_owned(), source: std::io::ErrorKind::NotFound.into() });
     }
     let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags).map_err(|e| classify_open(e, path))?;
@@ -67,16 +59,10 @@ pub fn open_read_only(path: &Path) -> Result<Connection> {
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .map_err(|e| classify_open(e, path))?;
     if version > SCHEMA_VERSION {
-        return Err(Error::SchemaTooNew {
-            found: version,
-            supported: SCHEMA_VERSION,
-        });
+        return Err(Error::SchemaTooNew { found: version, supported: SCHEMA_VERSION });
     }
     if version == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "{} holds no edge-inbox schema",
-            path.display()
-        )));
+        return Err(Error::InvalidArgument(format!("{} holds no edge-inbox schema", path.display())));
     }
     Ok(conn)
 }
@@ -84,26 +70,16 @@ pub fn open_read_only(path: &Path) -> Result<Connection> {
 /// Creates the file with mode 0600 before SQLite sees it: SQLite would use the umask, and the WAL and
 /// shared-memory files copy the database's mode.
 fn create_private(path: &Path) -> Result<()> {
-    match OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-    {
+    match OpenOptions::new().write(true).create_new(true).mode(0o600).open(path) {
         Ok(_) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(Error::Open {
-            path: path.to_owned(),
-            source: e,
-        }),
+        Err(e) => Err(Error::Open { path: path.to_owned(), source: e }),
     }
 }
 
 fn classify_open(err: rusqlite::Error, path: &Path) -> Error {
     match extended_code(&err).map(|c| c & 0xff) {
-        Some(ffi::SQLITE_NOTADB) => Error::NotADatabase {
-            path: path.to_owned(),
-        },
+        Some(ffi::SQLITE_NOTADB) => Error::NotADatabase { path: path.to_owned() },
         Some(ffi::SQLITE_CANTOPEN) => Error::Open {
             path: path.to_owned(),
             source: std::io::Error::other(err.to_string()),
@@ -113,14 +89,9 @@ fn classify_open(err: rusqlite::Error, path: &Path) -> Error {
 }
 
 fn set_wal(conn: &Connection) -> Result<()> {
-    let mode: String = conn
-        .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
-        .map_err(Error::from)?;
+    let mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0)).map_err(Error::from)?;
     if !mode.eq_ignore_ascii_case("wal") {
-        return Err(Error::Setting {
-            wanted: "journal_mode=wal".into(),
-            got: mode,
-        });
+        return Err(Error::Setting { wanted: "journal_mode=wal".into(), got: mode });
     }
     Ok(())
 }
@@ -128,25 +99,14 @@ fn set_wal(conn: &Connection) -> Result<()> {
 /// Per-connection settings, each read back: a silently ignored pragma would void the durability promise.
 fn apply_settings(conn: &Connection, config: &Config) -> Result<()> {
     let wanted = config.synchronous.pragma_value();
-    conn.execute_batch(&format!("PRAGMA synchronous = {wanted}"))
-        .map_err(Error::from)?;
-    let got: i64 = conn
-        .query_row("PRAGMA synchronous", [], |r| r.get(0))
-        .map_err(Error::from)?;
+    conn.execute_batch(&format!("PRAGMA synchronous = {wanted}")).map_err(Error::from)?;
+    let got: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0)).map_err(Error::from)?;
     if got != wanted {
-        return Err(Error::Setting {
-            wanted: format!("synchronous={wanted}"),
-            got: got.to_string(),
-        });
+        return Err(Error::Setting { wanted: format!("synchronous={wanted}"), got: got.to_string() });
     }
-    conn.execute_batch("PRAGMA foreign_keys = ON")
-        .map_err(Error::from)?;
+    conn.execute_batch("PRAGMA foreign_keys = ON").map_err(Error::from)?;
     let limit: i64 = conn
-        .query_row(
-            &format!("PRAGMA journal_size_limit = {}", config.journal_size_limit),
-            [],
-            |r| r.get(0),
-        )
+        .query_row(&format!("PRAGMA journal_size_limit = {}", config.journal_size_limit), [], |r| r.get(0))
         .map_err(Error::from)?;
     if limit != config.journal_size_limit {
         return Err(Error::Setting {
@@ -171,10 +131,7 @@ fn install_or_migrate(conn: &Connection) -> Result<()> {
             version = SCHEMA_VERSION;
         }
         while version < SCHEMA_VERSION {
-            log::info!(
-                "migrating inbox schema from version {version} to {}",
-                version + 1
-            );
+            log::info!("migrating inbox schema from version {version} to {}", version + 1);
             conn.execute_batch(MIGRATIONS[(version - 1) as usize])?;
             version += 1;
         }
@@ -185,10 +142,7 @@ fn install_or_migrate(conn: &Connection) -> Result<()> {
         Ok(None) => Ok(()),
         Ok(Some(found)) => {
             let _ = conn.execute_batch("ROLLBACK");
-            Err(Error::SchemaTooNew {
-                found,
-                supported: SCHEMA_VERSION,
-            })
+            Err(Error::SchemaTooNew { found, supported: SCHEMA_VERSION })
         }
         Err(e) => Err(rollback_after(conn, e)),
     }

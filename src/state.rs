@@ -31,14 +31,7 @@ impl<'a> Tx<'a> {
         buf: &'a RefCell<Vec<u8>>,
         failure: &'a Cell<Option<i32>>,
     ) -> Self {
-        Tx {
-            conn,
-            scope,
-            scope_id,
-            now,
-            buf,
-            failure,
-        }
+        Tx { conn, scope, scope_id, now, buf, failure }
     }
 
     /// The consumer scope of the delivery being handled; also the default key-value namespace.
@@ -80,16 +73,15 @@ impl<'a> Tx<'a> {
 
     /// Reads `key` from namespace `ns`.
     pub fn get_in<T: DeserializeOwned>(&self, ns: &str, key: &str) -> Result<Option<T>> {
-        let found = self.track(|| {
-            let mut stmt = self
-                .conn
-                .prepare_cached("SELECT value FROM kv WHERE ns = ?1 AND key = ?2")?;
-            stmt.query_row((ns, key), |row| {
-                let blob = row.get_ref(0)?.as_blob()?;
-                Ok(ciborium::from_reader::<T, _>(blob).map_err(|e| e.to_string()))
-            })
-            .optional()
-        })?;
+        let found = self
+            .track(|| {
+                let mut stmt = self.conn.prepare_cached("SELECT value FROM kv WHERE ns = ?1 AND key = ?2")?;
+                stmt.query_row((ns, key), |row| {
+                    let blob = row.get_ref(0)?.as_blob()?;
+                    Ok(ciborium::from_reader::<T, _>(blob).map_err(|e| e.to_string()))
+                })
+                .optional()
+            })?;
         match found {
             None => Ok(None),
             Some(Ok(v)) => Ok(Some(v)),
@@ -101,8 +93,7 @@ impl<'a> Tx<'a> {
     pub fn put_in<T: Serialize + ?Sized>(&self, ns: &str, key: &str, value: &T) -> Result<()> {
         let mut buf = self.buf.borrow_mut();
         buf.clear();
-        ciborium::into_writer(value, &mut *buf)
-            .map_err(|e| Error::Codec(format!("{ns}/{key}: {e}")))?;
+        ciborium::into_writer(value, &mut *buf).map_err(|e| Error::Codec(format!("{ns}/{key}: {e}")))?;
         self.track(|| {
             let mut stmt = self
                 .conn
@@ -114,9 +105,7 @@ impl<'a> Tx<'a> {
     /// Deletes `key` from namespace `ns`; true if it existed.
     pub fn delete_in(&self, ns: &str, key: &str) -> Result<bool> {
         self.track(|| {
-            let mut stmt = self
-                .conn
-                .prepare_cached("DELETE FROM kv WHERE ns = ?1 AND key = ?2")?;
+            let mut stmt = self.conn.prepare_cached("DELETE FROM kv WHERE ns = ?1 AND key = ?2")?;
             stmt.execute((ns, key)).map(|n| n > 0)
         })
     }

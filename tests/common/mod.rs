@@ -19,23 +19,14 @@ pub fn child_command(test_name: &str) -> Command {
         }
         None => Command::new(&exe),
     };
-    cmd.args([
-        test_name,
-        "--exact",
-        "--nocapture",
-        "--test-threads=1",
-        "--include-ignored",
-    ]);
+    cmd.args([test_name, "--exact", "--nocapture", "--test-threads=1", "--include-ignored"]);
     cmd
 }
 
 /// Multiplier for loop sizes: heavy tests shrink under emulation by setting `EDGE_INBOX_TEST_SCALE`
 /// below 1.0 (never to zero).
 pub fn scaled(n: usize) -> usize {
-    let scale: f64 = std::env::var("EDGE_INBOX_TEST_SCALE")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1.0);
+    let scale: f64 = std::env::var("EDGE_INBOX_TEST_SCALE").ok().and_then(|s| s.parse().ok()).unwrap_or(1.0);
     ((n as f64 * scale).round() as usize).max(1)
 }
 
