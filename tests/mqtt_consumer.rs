@@ -315,7 +315,8 @@ fn broker_restart_mid_stream_loses_and_doubles_nothing() {
             .ok()?
             .scope_stats(SCOPE)
             .ok()?;
-        (st.processed + st.duplicates >= u64::from(n + n / 4)).then_some(())
+        (st.processed >= u64::from(n) && st.processed + st.duplicates >= u64::from(n + n / 4))
+            .then_some(())
     });
     stop.stop();
     let (s, mut inbox) = worker.join().unwrap();
