@@ -103,6 +103,15 @@ pub enum MessageState {
 }
 
 impl MessageState {
+    pub(crate) fn to_sql(self) -> i64 {
+        match self {
+            MessageState::Pending => 0,
+            MessageState::Processed => 1,
+            MessageState::Failed => 2,
+            MessageState::DeadLettered => 3,
+        }
+    }
+
     pub(crate) fn from_sql(v: i64) -> Option<MessageState> {
         Some(match v {
             0 => MessageState::Pending,

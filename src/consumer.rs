@@ -1,0 +1,594 @@
+//! The MQTT consumer: batches QoS1 deliveries into group commits and acks each one, in arrival order, only
+//! after the commit that covers it.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::ack_queue::AckQueue;
+use crate::error::{Error, Result};
+use crate::extract::{ExtractIdentity, Identity, Incoming, UserProperty};
+use crate::identity::Delivery;
+use crate::inbox::{Handler, Inbox};
+use crate::mqtt_conn::{self, AckToken, Client, Event, MqttConfig, Protocol, Shared};
+use crate::outcome::Outcome;
+
+/// Asks a running [`Consumer`] to stop: it finishes the batch in flight (commit, then acks), disconnects
+/// and returns from [`Consumer::run`]. Cheap to clone; usable from any thread or a signal handler flag.
+#[derive(Debug, Clone, Default)]
+pub struct StopHandle(Arc<AtomicBool>);
+
+impl StopHandle {
+    /// Requests the stop.
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    /// True once a stop was requested.
+    pub fn is_stopped(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    /// The flag itself, e.g. for `signal_hook::flag::register`.
+    pub fn flag(&self) -> Arc<AtomicBool> {
+        self.0.clone()
+    }
+}
+
+/// What one [`Consumer::run`] did. In-memory counts of this run only; the durable totals are in
+/// [`Inbox::scope_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RunSummary {
+    /// Publishes received (QoS0 and QoS1).
+    pub received: u64,
+    /// PUBACKs sent.
+    pub acked: u64,
+    /// Deliveries whose effect was committed.
+    pub processed: u64,
+    /// Deliveries recognised as duplicates.
+    pub duplicates: u64,
+    /// Deliveries recorded as conflicts.
+    pub conflicts: u64,
+    /// Handler attempts that failed (each rolled back).
+    pub handler_failures: u64,
+    /// Deliveries moved to the dead letters after the last attempt.
+    pub dead_lettered: u64,
+    /// Deliveries quarantined (no identity, malformed envelope, over a limit).
+    pub quarantined: u64,
+    /// Storage errors met (each retried; nothing acked on their account).
+    pub storage_errors: u64,
+    /// Connections accepted by the broker.
+    pub connections: u64,
+    /// Deliveries dropped unacked because their connection ended (the broker redelivers them).
+    pub dropped_stale: u64,
+}
+
+/// One received publish on its way to an ack.
+struct Pending {
+    incoming: Incoming,
+    identity: Option<Identity>,
+    ticket: u64,
+}
+
+/// Consumes QoS1 deliveries from an MQTT broker into an [`Inbox`]; you write only the handler.
+///
+/// A poll thread owns the rumqttc connection and only moves packets: it never touches SQLite and never
+/// waits on an ack. The thread calling [`Consumer::run`] owns the inbox and:
+///
+/// 1. collects deliveries up to [`Consumer::batch`] size or linger time (never more than the broker's
+///    inflight window, [`MqttConfig::inflight`]);
+/// 2. finds each identity ([`Consumer::extractor`]); a delivery without one, with a malformed envelope or
+///    over the inbox [`Limits`](crate::Limits) is quarantined ([`Inbox::quarantine`]) and then acked;
+/// 3. runs one [`Inbox::process_batch_into`] (one commit, one fsync);
+/// 4. retries a failed handler up to [`Consumer::handler_attempts`] times, then dead-letters the delivery
+///    ([`Inbox::dead_letter_after`]);
+/// 5. acks every delivery of the batch in arrival order.
+///
+/// A storage error (or an unknown commit outcome) acks nothing: the batch is retried with backoff, logged
+/// with its SQLite code. A reconnect drops everything received on the old connection unacked; the broker
+/// redelivers it (persistent session) and the inbox recognises what was already committed.
+pub struct Consumer {
+    inbox: Inbox,
+    scope: String,
+    mqtt: MqttConfig,
+    extractor: Box<dyn ExtractIdentity>,
+    batch_size: usize,
+    linger: Duration,
+    handler_attempts: u32,
+    exit_when_idle: Option<Duration>,
+    stop: StopHandle,
+}
+
+impl std::fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Consumer")
+            .field("inbox", &self.inbox)
+            .field("scope", &self.scope)
+            .field("mqtt", &self.mqtt)
+            .field("batch_size", &self.batch_size)
+            .field("linger", &self.linger)
+            .field("handler_attempts", &self.handler_attempts)
+            .finish()
+    }
+}
+
+impl Consumer {
+    /// A consumer for the logical consumer function `scope` (e.g. `inventory-reservation`).
+    ///
+    /// The default extractor is [`UserProperty`] for MQTT 5 and [`Envelope`](crate::Envelope) for 3.1.1;
+    /// the default batch is 64 deliveries (capped at the inflight window) or 5 ms; a failing handler is
+    /// tried 3 times.
+    pub fn new(inbox: Inbox, scope: impl Into<String>, mqtt: MqttConfig) -> Consumer {
+        let extractor: Box<dyn ExtractIdentity> = match mqtt.protocol {
+            Protocol::V311 => Box::new(crate::extract::Envelope::default()),
+            _ => Box::new(UserProperty::default()),
+        };
+        Consumer {
+            inbox,
+            scope: scope.into(),
+            mqtt,
+            extractor,
+            batch_size: 64,
+            linger: Duration::from_millis(5),
+            handler_attempts: 3,
+            exit_when_idle: None,
+            stop: StopHandle::default(),
+        }
+    }
+
+    /// Where identities come from.
+    pub fn extractor(mut self, extractor: impl ExtractIdentity + 'static) -> Self {
+        self.extractor = Box::new(extractor);
+        self
+    }
+
+    /// Group commit: at most `size` deliveries per transaction, waiting at most `linger` for the batch to
+    /// fill. `size` is capped at the inflight window.
+    pub fn batch(mut self, size: usize, linger: Duration) -> Self {
+        self.batch_size = size.max(1);
+        self.linger = linger;
+        self
+    }
+
+    /// How many times the handler is tried on one delivery before it is dead-lettered and acked. At least 1.
+    pub fn handler_attempts(mut self, attempts: u32) -> Self {
+        self.handler_attempts = attempts.max(1);
+        self
+    }
+
+    /// Makes [`Consumer::run`] return once nothing has arrived for `idle` and nothing is in flight
+    /// (batch jobs, tests, the example's `--exit-when-idle`).
+    pub fn exit_when_idle(mut self, idle: Duration) -> Self {
+        self.exit_when_idle = Some(idle);
+        self
+    }
+
+    /// A handle that stops [`Consumer::run`] from another thread.
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
+    /// The inbox, e.g. for [`Inbox::scope_stats`] between runs.
+    pub fn inbox(&mut self) -> &mut Inbox {
+        &mut self.inbox
+    }
+
+    /// Gives the inbox back.
+    pub fn into_inbox(self) -> Inbox {
+        self.inbox
+    }
+
+    /// Connects, subscribes and consumes until stopped (or idle, with [`Consumer::exit_when_idle`]).
+    /// The handler runs on the calling thread, which owns the inbox. After an idle exit `run` may be
+    /// called again; after a [`StopHandle::stop`] it returns at once.
+    ///
+    /// Connection trouble is retried with backoff, storage errors too; `Err` only when the poll thread
+    /// cannot be started.
+    pub fn run<H: Handler>(&mut self, mut handler: H) -> Result<RunSummary> {
+        let window = usize::from(self.mqtt.inflight);
+        let batch_size = self.batch_size.min(window);
+        if batch_size < self.batch_size {
+            log::info!(
+                "batch size {} capped at the broker's inflight window {window}",
+                self.batch_size
+            );
+        }
+        let (tx, rx) = sync_channel(window + 16);
+        let shared = Arc::new(Shared {
+            epoch: AtomicU64::new(0),
+            stop: Arc::new(AtomicBool::new(false)),
+        });
+        let (client, poller) = mqtt_conn::start(&self.mqtt, tx, shared.clone()).map_err(|e| {
+            Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}"))
+        })?;
+        log::info!(
+            "consumer for scope {} starting: {:?}",
+            self.scope,
+            self.mqtt
+        );
+        let mut run = Run {
+            inbox: &mut self.inbox,
+            scope: &self.scope,
+            extractor: &*self.extractor,
+            handler_attempts: self.handler_attempts,
+            client: &client,
+            shared: &shared,
+            queue: AckQueue::new(),
+            summary: RunSummary::default(),
+            epoch: 0,
+            outcomes: Vec::with_capacity(batch_size),
+            rx,
+            backlog: VecDeque::new(),
+            user_stop: self.stop.clone(),
+        };
+        let mut batch: Vec<Pending> = Vec::with_capacity(batch_size);
+        let mut last_activity = Instant::now();
+        loop {
+            if self.stop.is_stopped() {
+                break;
+            }
+            match run.collect(&mut batch, batch_size, self.linger) {
+                Collected::Some => {
+                    run.settle(&mut batch, &mut handler);
+                    last_activity = Instant::now();
+                }
+                Collected::Nothing => {
+                    if let Some(idle) = self.exit_when_idle {
+                        if last_activity.elapsed() >= idle {
+                            log::info!("idle for {idle:?}: stopping");
+                            break;
+                        }
+                    }
+                }
+                Collected::Disconnected => break,
+            }
+        }
+        // Whatever is still in the channel was never committed here: left unacked for the broker to redeliver.
+        shared.stop.store(true, Ordering::SeqCst);
+        client.disconnect();
+        // Dropping the receiver frees a poll thread blocked handing over a delivery.
+        let summary = run.summary;
+        drop(run);
+        let _ = poller.join();
+        log::info!("consumer for scope {} stopped: {summary:?}", self.scope);
+        Ok(summary)
+    }
+}
+
+enum Collected {
+    Some,
+    Nothing,
+    Disconnected,
+}
+
+/// State of one run, on the thread that owns the inbox.
+struct Run<'a> {
+    inbox: &'a mut Inbox,
+    scope: &'a str,
+    extractor: &'a dyn ExtractIdentity,
+    handler_attempts: u32,
+    client: &'a Client,
+    shared: &'a Shared,
+    queue: AckQueue<Option<AckToken>>,
+    summary: RunSummary,
+    /// The connection the current batch was received on.
+    epoch: u64,
+    outcomes: Vec<Outcome>,
+    rx: Receiver<Event>,
+    /// Events drained from the channel while waiting to queue an ack, in arrival order.
+    backlog: VecDeque<Event>,
+    user_stop: StopHandle,
+}
+
+impl Run<'_> {
+    /// Fills `batch` with deliveries of one connection: waits up to 100 ms for the first, then up to
+    /// `linger` for the rest.
+    fn collect(&mut self, batch: &mut Vec<Pending>, size: usize, linger: Duration) -> Collected {
+        batch.clear();
+        let mut deadline: Option<Instant> = None;
+        while batch.len() < size {
+            let wait = match deadline {
+                None => Duration::from_millis(100),
+                Some(d) => d.saturating_duration_since(Instant::now()),
+            };
+            let next = match self.backlog.pop_front() {
+                Some(e) => Ok(e),
+                None => self.rx.recv_timeout(wait),
+            };
+            let event = match next {
+                Ok(e) => e,
+                Err(RecvTimeoutError::Timeout) => break,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return if batch.is_empty() {
+                        Collected::Disconnected
+                    } else {
+                        Collected::Some
+                    };
+                }
+            };
+            match event {
+                Event::Connected {
+                    epoch,
+                    session_present,
+                } => {
+                    self.summary.connections += 1;
+                    self.drop_stale(batch.len());
+                    batch.clear();
+                    self.epoch = epoch;
+                    if !session_present && self.summary.connections > 1 {
+                        log::warn!(
+                            "the broker did not keep our session (expired, or restarted without persistence): \
+                             deliveries published while we were away may not arrive"
+                        );
+                    }
+                }
+                Event::Publish {
+                    epoch,
+                    incoming,
+                    token,
+                } => {
+                    self.summary.received += 1;
+                    if epoch != self.epoch {
+                        // Received on a connection that is gone: its redelivery will come on the new one.
+                        self.summary.dropped_stale += 1;
+                        continue;
+                    }
+                    let ticket = self.queue.push(token);
+                    batch.push(Pending {
+                        incoming,
+                        identity: None,
+                        ticket,
+                    });
+                    deadline.get_or_insert_with(|| Instant::now() + linger);
+                }
+            }
+            if self.stopping() {
+                break;
+            }
+        }
+        if batch.is_empty() {
+            Collected::Nothing
+        } else {
+            Collected::Some
+        }
+    }
+
+    fn drop_stale(&mut self, n: usize) {
+        if n > 0 || self.queue.len() > 0 {
+            log::info!("reconnected: dropping {n} unacked deliveries of the old connection; the broker redelivers them");
+        }
+        self.summary.dropped_stale += n as u64;
+        self.queue.clear();
+    }
+
+    /// Counts a settled outcome in this run's summary.
+    fn count(&mut self, outcome: &Outcome) {
+        match outcome {
+            Outcome::Processed => self.summary.processed += 1,
+            Outcome::Duplicate => self.summary.duplicates += 1,
+            Outcome::Conflict { .. } => self.summary.conflicts += 1,
+            // Handler failures are counted where they are retried.
+            _ => {}
+        }
+    }
+
+    fn stopping(&self) -> bool {
+        self.user_stop.is_stopped() || self.shared.stop.load(Ordering::Relaxed)
+    }
+
+    fn connection_current(&self) -> bool {
+        self.shared.epoch.load(Ordering::SeqCst) == self.epoch
+    }
+
+    /// Commits the batch and acks it, in arrival order. Returns early, acking nothing more, when the
+    /// connection ends or a stop is requested while storage keeps failing.
+    fn settle<H: Handler>(&mut self, batch: &mut [Pending], handler: &mut H) {
+        let limits = *self.inbox.config().get_limits();
+        // Identity and limits first: bad input is quarantined, so it can be acked like the rest.
+        let mut good: Vec<usize> = Vec::with_capacity(batch.len());
+        for (i, p) in batch.iter_mut().enumerate() {
+            let found = self.extractor.extract(&p.incoming).and_then(|id| {
+                delivery_of(self.scope, &p.incoming, &id).validate(&limits)?;
+                Ok(id)
+            });
+            match found {
+                Ok(id) => {
+                    p.identity = Some(id);
+                    good.push(i);
+                }
+                Err(why) => {
+                    let reason = why.to_string();
+                    log::warn!(
+                        "bad delivery on topic {:?} ({} bytes): {reason}; quarantining it",
+                        p.incoming.topic,
+                        p.incoming.payload.len()
+                    );
+                    let (scope, topic, payload) =
+                        (self.scope, &p.incoming.topic, &p.incoming.payload);
+                    if self
+                        .retry("quarantine", |inbox| {
+                            inbox.quarantine(scope, topic, payload, &reason)
+                        })
+                        .is_none()
+                    {
+                        return self.abandon(batch.len());
+                    }
+                    self.summary.quarantined += 1;
+                    self.queue.settle(p.ticket);
+                }
+            }
+        }
+
+        let deliveries: Vec<Delivery<'_>> = good
+            .iter()
+            .map(|&i| {
+                delivery_of(
+                    self.scope,
+                    &batch[i].incoming,
+                    batch[i].identity.as_ref().expect("extracted"),
+                )
+            })
+            .collect();
+        let mut outcomes = std::mem::take(&mut self.outcomes);
+        let committed = self.retry("commit", |inbox| {
+            inbox.process_batch_into(&deliveries, handler, &mut outcomes)
+        });
+        if committed.is_none() {
+            self.outcomes = outcomes;
+            return self.abandon(batch.len());
+        }
+        let mut all_settled = true;
+        for (k, outcome) in outcomes.drain(..).enumerate() {
+            let d = &deliveries[k];
+            if let Outcome::HandlerFailed(err) = outcome {
+                self.summary.handler_failures += 1;
+                if !self.retry_handler(d, err, handler) {
+                    all_settled = false;
+                    break;
+                }
+            } else {
+                self.count(&outcome);
+            }
+            self.queue.settle(batch[good[k]].ticket);
+        }
+        outcomes.clear();
+        self.outcomes = outcomes;
+        if !all_settled {
+            return self.abandon(batch.len());
+        }
+        self.ack_ready();
+    }
+
+    /// Tries a failed delivery again, alone, up to the attempt limit; then dead-letters it. False when
+    /// storage trouble outlived the connection or a stop (nothing may be acked).
+    fn retry_handler<H: Handler>(
+        &mut self,
+        d: &Delivery<'_>,
+        mut err: anyhow::Error,
+        handler: &mut H,
+    ) -> bool {
+        let mut attempts = 1;
+        while attempts < self.handler_attempts {
+            attempts += 1;
+            std::thread::sleep(Duration::from_millis(10 * u64::from(attempts)));
+            match self.retry("commit", |inbox| inbox.process(d, &mut *handler)) {
+                None => return false,
+                Some(Outcome::HandlerFailed(e)) => {
+                    self.summary.handler_failures += 1;
+                    err = e;
+                }
+                Some(o) => {
+                    self.count(&o);
+                    return true;
+                }
+            }
+        }
+        let reason = format!("handler failed {attempts} time(s): {err:#}");
+        match self.retry("dead letter", |inbox| {
+            inbox.dead_letter_after(d, attempts, &reason)
+        }) {
+            None => false,
+            Some(Outcome::Processed) => {
+                self.summary.dead_lettered += 1;
+                true
+            }
+            Some(Outcome::Duplicate) => {
+                self.summary.duplicates += 1;
+                true
+            }
+            Some(_) => {
+                self.summary.conflicts += 1;
+                true
+            }
+        }
+    }
+
+    /// Runs `f` until it succeeds, backing off on errors. `None` when the connection the batch came on has
+    /// ended or a stop was requested first: then nothing of the batch may be acked.
+    fn retry<T>(&mut self, what: &str, mut f: impl FnMut(&mut Inbox) -> Result<T>) -> Option<T> {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match f(self.inbox) {
+                Ok(v) => return Some(v),
+                Err(e) => {
+                    self.summary.storage_errors += 1;
+                    log::error!(
+                        "{what} failed (SQLite code {}): {e}; not acked, retrying in {backoff:?}",
+                        e.sqlite_code()
+                            .map_or_else(|| "none".to_owned(), |c| c.to_string())
+                    );
+                    let until = Instant::now() + backoff;
+                    while Instant::now() < until {
+                        if !self.connection_current() || self.stopping() {
+                            return None;
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    /// Gives up on the batch: nothing more of it is acked; the broker redelivers it.
+    fn abandon(&mut self, n: usize) {
+        log::warn!("leaving {n} deliveries unacked; the broker redelivers them");
+        self.queue.clear();
+    }
+
+    /// Sends the PUBACKs of every settled delivery at the front of the queue, in arrival order, while the
+    /// connection they came on is still the current one.
+    fn ack_ready(&mut self) {
+        while let Some(token) = self.queue.pop_ready() {
+            let Some(token) = token else { continue };
+            if !self.connection_current() {
+                let left = self.queue.len() + 1;
+                log::info!("connection changed before the acks: leaving {left} committed deliveries unacked");
+                self.summary.dropped_stale += left as u64;
+                self.queue.clear();
+                return;
+            }
+            if !self.queue_ack(token) {
+                log::warn!("the connection is closed; the broker redelivers what was not acked");
+                self.queue.clear();
+                return;
+            }
+            self.summary.acked += 1;
+        }
+    }
+}
+
+impl Run<'_> {
+    /// Queues one PUBACK, draining incoming events into the backlog while rumqttc's request channel is
+    /// full. False when the poll thread has ended.
+    fn queue_ack(&mut self, token: AckToken) -> bool {
+        loop {
+            if self.client.try_ack(token) {
+                return true;
+            }
+            match self.rx.try_recv() {
+                Ok(e) => self.backlog.push_back(e),
+                Err(TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(1)),
+                Err(TryRecvError::Disconnected) => return false,
+            }
+        }
+    }
+}
+
+fn delivery_of<'a>(scope: &'a str, incoming: &'a Incoming, id: &'a Identity) -> Delivery<'a> {
+    let payload = id.body.as_deref().unwrap_or(&incoming.payload);
+    let mut d = Delivery::new(scope, &id.message_id, &incoming.topic, payload);
+    if let Some(p) = id.producer.as_deref() {
+        d = d.with_producer(p);
+    }
+    if let Some(s) = id.sequence {
+        d = d.with_sequence(s);
+    }
+    if let Some(t) = id.sent_at {
+        d = d.with_sent_at(t);
+    }
+    d
+}

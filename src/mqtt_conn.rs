@@ -1,0 +1,447 @@
+//! Broker connection: options, the rumqttc client for MQTT 5 or 3.1.1, and the thread that polls it.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::SyncSender;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use rumqttc::v5::mqttbytes::v5 as p5;
+use rumqttc::v5::mqttbytes::QoS as Q5;
+use rumqttc::{QoS, TlsConfiguration, Transport};
+
+use crate::extract::Incoming;
+
+/// MQTT protocol version spoken to the broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Protocol {
+    /// MQTT 5: identities from user properties; session kept with `clean_start=false` and a session expiry.
+    #[default]
+    V5,
+    /// MQTT 3.1.1: identities from a payload envelope; session kept with `clean_session=false`.
+    V311,
+}
+
+/// TLS settings (rustls with the ring provider). Certificates and keys are PEM.
+#[derive(Clone, Default)]
+pub struct Tls {
+    /// CA certificates that sign the broker's certificate.
+    pub ca_pem: Vec<u8>,
+    /// Client certificate chain and private key, for brokers that require client authentication.
+    pub client_auth: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl fmt::Debug for Tls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The private key never reaches a log.
+        f.debug_struct("Tls")
+            .field("ca_pem_bytes", &self.ca_pem.len())
+            .field(
+                "client_auth",
+                &self.client_auth.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
+}
+
+/// How to reach the broker and what to subscribe to.
+///
+/// The session is always persistent (MQTT 5 `clean_start=false` with [`MqttConfig::session_expiry`];
+/// 3.1.1 `clean_session=false`) and acks are manual: the broker keeps unacknowledged deliveries across a
+/// disconnect and redelivers them, which is what lets the inbox ack only after its commit.
+///
+/// ```
+/// use edge_inbox::{MqttConfig, Protocol};
+/// let config = MqttConfig::new("127.0.0.1", 1883, "inventory-gw7")
+///     .protocol(Protocol::V5)
+///     .subscribe("orders/#")
+///     .credentials("gateway", "secret");
+/// assert!(!format!("{config:?}").contains("secret"));
+/// ```
+#[derive(Clone)]
+pub struct MqttConfig {
+    pub(crate) host: String,
+    pub(crate) port: u16,
+    pub(crate) client_id: String,
+    pub(crate) protocol: Protocol,
+    pub(crate) topics: Vec<String>,
+    pub(crate) keep_alive: Duration,
+    pub(crate) session_expiry: u32,
+    pub(crate) inflight: u16,
+    pub(crate) credentials: Option<(String, String)>,
+    pub(crate) tls: Option<Tls>,
+}
+
+impl fmt::Debug for MqttConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MqttConfig")
+            .field("host", &self.host)
+            .field("port", &self.port)
+            .field("client_id", &self.client_id)
+            .field("protocol", &self.protocol)
+            .field("topics", &self.topics)
+            .field("keep_alive", &self.keep_alive)
+            .field("session_expiry", &self.session_expiry)
+            .field("inflight", &self.inflight)
+            .field("username", &self.credentials.as_ref().map(|(u, _)| u))
+            .field("password", &self.credentials.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.tls)
+            .finish()
+    }
+}
+
+impl MqttConfig {
+    /// A broker address and a client id. The client id must be stable across restarts: the broker keys the
+    /// persistent session (and the deliveries it holds for us) by it.
+    pub fn new(host: impl Into<String>, port: u16, client_id: impl Into<String>) -> MqttConfig {
+        MqttConfig {
+            host: host.into(),
+            port,
+            client_id: client_id.into(),
+            protocol: Protocol::V5,
+            topics: Vec::new(),
+            keep_alive: Duration::from_secs(30),
+            session_expiry: 7 * 24 * 3600,
+            inflight: 20,
+            credentials: None,
+            tls: None,
+        }
+    }
+
+    /// Protocol version. Default [`Protocol::V5`].
+    pub fn protocol(mut self, protocol: Protocol) -> Self {
+        self.protocol = protocol;
+        self
+    }
+
+    /// Adds a topic filter, subscribed at QoS1.
+    pub fn subscribe(mut self, filter: impl Into<String>) -> Self {
+        self.topics.push(filter.into());
+        self
+    }
+
+    /// Keep-alive interval. Default 30 s.
+    pub fn keep_alive(mut self, keep_alive: Duration) -> Self {
+        self.keep_alive = keep_alive;
+        self
+    }
+
+    /// MQTT 5 session expiry interval in seconds: how long the broker keeps our session (and the deliveries
+    /// queued for it) while we are disconnected. Default one week. Ignored for 3.1.1, where the broker's
+    /// own setting applies.
+    pub fn session_expiry(mut self, seconds: u32) -> Self {
+        self.session_expiry = seconds;
+        self
+    }
+
+    /// The broker's window of unacknowledged QoS1 deliveries to this client. For MQTT 5 it is sent as our
+    /// Receive Maximum; for 3.1.1 set it to the broker's limit (mosquitto's `max_inflight_messages`, default
+    /// 20). The consumer never batches more than this, or it would wait for deliveries the broker holds back
+    /// until it acks. Default 20.
+    pub fn inflight(mut self, window: u16) -> Self {
+        self.inflight = window.max(1);
+        self
+    }
+
+    /// Username and password. The password is never logged nor shown by `Debug`.
+    pub fn credentials(mut self, username: impl Into<String>, password: impl Into<String>) -> Self {
+        self.credentials = Some((username.into(), password.into()));
+        self
+    }
+
+    /// Connects over TLS.
+    pub fn tls(mut self, tls: Tls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// The broker window set with [`MqttConfig::inflight`].
+    pub fn get_inflight(&self) -> u16 {
+        self.inflight
+    }
+
+    fn transport(&self) -> Transport {
+        match &self.tls {
+            None => Transport::Tcp,
+            Some(tls) => {
+                // The only provider compiled in; installing it explicitly keeps the choice deterministic.
+                let _ = rustls::crypto::ring::default_provider().install_default();
+                Transport::Tls(TlsConfiguration::Simple {
+                    ca: tls.ca_pem.clone(),
+                    alpn: None,
+                    client_auth: tls.client_auth.clone(),
+                })
+            }
+        }
+    }
+}
+
+/// What the poll thread hands to the consumer thread.
+pub(crate) enum Event {
+    /// A (re)connection was accepted; everything received before it is stale and must not be acked.
+    Connected { epoch: u64, session_present: bool },
+    /// A publish received on connection `epoch`. `token` is `None` for QoS0 (nothing to ack).
+    Publish {
+        epoch: u64,
+        incoming: Incoming,
+        token: Option<AckToken>,
+    },
+}
+
+/// What a PUBACK needs: the packet id of a QoS1 publish (only ever acked on the connection it came on).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AckToken(u16);
+
+/// The sending half of a connection, owned by the consumer thread.
+pub(crate) enum Client {
+    V4(rumqttc::Client),
+    V5(rumqttc::v5::Client),
+}
+
+impl Client {
+    /// Queues the PUBACK without blocking: `false` when rumqttc's request channel is full (or closed). The
+    /// caller keeps draining deliveries meanwhile, so the poll thread is never stuck handing one over while
+    /// the ack waits for it.
+    pub(crate) fn try_ack(&self, token: AckToken) -> bool {
+        match self {
+            Client::V4(c) => {
+                let mut p = rumqttc::Publish::new("", QoS::AtLeastOnce, Vec::new());
+                p.pkid = token.0;
+                c.try_ack(&p).is_ok()
+            }
+            Client::V5(c) => {
+                let mut p = p5::Publish::new("", Q5::AtLeastOnce, Vec::new(), None);
+                p.pkid = token.0;
+                c.try_ack(&p).is_ok()
+            }
+        }
+    }
+
+    pub(crate) fn disconnect(&self) {
+        let _ = match self {
+            Client::V4(c) => c.try_disconnect().map_err(drop),
+            Client::V5(c) => c.try_disconnect().map_err(drop),
+        };
+    }
+}
+
+/// Shared between the poll thread and the consumer: the connection epoch and the stop flag.
+pub(crate) struct Shared {
+    pub(crate) epoch: AtomicU64,
+    pub(crate) stop: Arc<AtomicBool>,
+}
+
+/// Creates the client and starts the poll thread, which sends every QoS1 publish and (re)connection to `tx`.
+pub(crate) fn start(
+    config: &MqttConfig,
+    tx: SyncSender<Event>,
+    shared: Arc<Shared>,
+) -> std::io::Result<(Client, JoinHandle<()>)> {
+    let cap = usize::from(config.inflight) + 16;
+    let topics = config.topics.clone();
+    let name = format!("mqtt-poll-{}", config.client_id);
+    match config.protocol {
+        Protocol::V311 => {
+            let mut o = rumqttc::MqttOptions::new(&config.client_id, &config.host, config.port);
+            o.set_clean_session(false)
+                .set_manual_acks(true)
+                .set_keep_alive(config.keep_alive);
+            o.set_transport(config.transport());
+            if let Some((u, p)) = &config.credentials {
+                o.set_credentials(u, p);
+            }
+            let (client, conn) = rumqttc::Client::new(o, cap);
+            let sub = client.clone();
+            let handle = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || poll_v4(conn, sub, topics, tx, shared))?;
+            Ok((Client::V4(client), handle))
+        }
+        Protocol::V5 => {
+            let mut o = rumqttc::v5::MqttOptions::new(&config.client_id, &config.host, config.port);
+            o.set_clean_start(false)
+                .set_manual_acks(true)
+                .set_keep_alive(config.keep_alive);
+            o.set_session_expiry_interval(Some(config.session_expiry));
+            o.set_receive_maximum(Some(config.inflight));
+            o.set_transport(config.transport());
+            if let Some((u, p)) = &config.credentials {
+                o.set_credentials(u, p);
+            }
+            let (client, conn) = rumqttc::v5::Client::new(o, cap);
+            let sub = client.clone();
+            let handle = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || poll_v5(conn, sub, topics, tx, shared))?;
+            Ok((Client::V5(client), handle))
+        }
+    }
+}
+
+/// Sleeps `d` in small steps, returning early when stopping.
+fn nap(d: Duration, stop: &AtomicBool) {
+    let step = Duration::from_millis(20);
+    let mut left = d;
+    while !left.is_zero() && !stop.load(Ordering::Relaxed) {
+        let s = left.min(step);
+        std::thread::sleep(s);
+        left -= s;
+    }
+}
+
+fn backoff_next(b: Duration) -> Duration {
+    (b * 2).min(Duration::from_secs(5))
+}
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+fn poll_v4(
+    mut conn: rumqttc::Connection,
+    client: rumqttc::Client,
+    topics: Vec<String>,
+    tx: SyncSender<Event>,
+    shared: Arc<Shared>,
+) {
+    use rumqttc::{Event as E, Outgoing, Packet};
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        match conn.recv() {
+            Ok(Ok(E::Incoming(Packet::ConnAck(ack)))) => {
+                backoff = FIRST_BACKOFF;
+                let epoch = shared.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+                log::info!(
+                    "connected (session present: {}), connection epoch {epoch}",
+                    ack.session_present
+                );
+                if !ack.session_present {
+                    let filters = topics
+                        .iter()
+                        .map(|t| rumqttc::SubscribeFilter::new(t.clone(), QoS::AtLeastOnce));
+                    if let Err(e) = client.try_subscribe_many(filters) {
+                        log::error!("could not queue the subscription: {e}");
+                    }
+                }
+                if tx
+                    .send(Event::Connected {
+                        epoch,
+                        session_present: ack.session_present,
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Ok(Ok(E::Incoming(Packet::Publish(mut p)))) => {
+                let epoch = shared.epoch.load(Ordering::SeqCst);
+                let payload = std::mem::take(&mut p.payload).to_vec();
+                let incoming = Incoming::new(std::mem::take(&mut p.topic), payload);
+                let token = (p.qos == QoS::AtLeastOnce).then_some(AckToken(p.pkid));
+                if tx
+                    .send(Event::Publish {
+                        epoch,
+                        incoming,
+                        token,
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Ok(Ok(E::Outgoing(Outgoing::Disconnect))) if shared.stop.load(Ordering::Relaxed) => {
+                return
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                shared.epoch.fetch_add(1, Ordering::SeqCst);
+                if shared.stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                log::warn!(
+                    "connection to the broker lost or refused: {e}; retrying in {backoff:?}"
+                );
+                nap(backoff, &shared.stop);
+                backoff = backoff_next(backoff);
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+fn poll_v5(
+    mut conn: rumqttc::v5::Connection,
+    client: rumqttc::v5::Client,
+    topics: Vec<String>,
+    tx: SyncSender<Event>,
+    shared: Arc<Shared>,
+) {
+    use rumqttc::v5::{Event as E, Incoming as Packet};
+    use rumqttc::Outgoing;
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        match conn.recv() {
+            Ok(Ok(E::Incoming(Packet::ConnAck(ack)))) => {
+                backoff = FIRST_BACKOFF;
+                let epoch = shared.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+                log::info!(
+                    "connected (session present: {}), connection epoch {epoch}",
+                    ack.session_present
+                );
+                if !ack.session_present {
+                    let filters = topics
+                        .iter()
+                        .map(|t| p5::Filter::new(t.clone(), Q5::AtLeastOnce));
+                    if let Err(e) = client.try_subscribe_many(filters) {
+                        log::error!("could not queue the subscription: {e}");
+                    }
+                }
+                if tx
+                    .send(Event::Connected {
+                        epoch,
+                        session_present: ack.session_present,
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Ok(Ok(E::Incoming(Packet::Publish(mut p)))) => {
+                let epoch = shared.epoch.load(Ordering::SeqCst);
+                let payload = std::mem::take(&mut p.payload).to_vec();
+                let topic = String::from_utf8_lossy(&p.topic).into_owned();
+                let mut incoming = Incoming::new(topic, payload);
+                if let Some(props) = p.properties.as_mut() {
+                    incoming.user_properties = std::mem::take(&mut props.user_properties);
+                }
+                let token = (p.qos == Q5::AtLeastOnce).then_some(AckToken(p.pkid));
+                if tx
+                    .send(Event::Publish {
+                        epoch,
+                        incoming,
+                        token,
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Ok(Ok(E::Outgoing(Outgoing::Disconnect))) if shared.stop.load(Ordering::Relaxed) => {
+                return
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                shared.epoch.fetch_add(1, Ordering::SeqCst);
+                if shared.stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                log::warn!(
+                    "connection to the broker lost or refused: {e}; retrying in {backoff:?}"
+                );
+                nap(backoff, &shared.stop);
+                backoff = backoff_next(backoff);
+            }
+            Err(_) => return,
+        }
+    }
+}

@@ -1,0 +1,473 @@
+//! A real mosquitto on a free 127.0.0.1 port, with a generated config in a temp dir, killed on drop.
+#![allow(dead_code)]
+
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn mosquitto_path() -> PathBuf {
+    for dir in std::env::var("PATH").unwrap_or_default().split(':') {
+        let p = Path::new(dir).join("mosquitto");
+        if p.is_file() {
+            return p;
+        }
+    }
+    PathBuf::from("/usr/sbin/mosquitto")
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub struct Broker {
+    pub port: u16,
+    pub dir: tempfile::TempDir,
+    child: Option<Child>,
+    max_inflight: u16,
+    verbose: bool,
+    /// Listener options appended to the generated config (TLS, authentication).
+    extra: String,
+}
+
+impl Broker {
+    /// A broker with persistence on (so a restart keeps sessions and queued deliveries).
+    pub fn start() -> Broker {
+        Broker::start_with(20)
+    }
+
+    pub fn start_with(max_inflight: u16) -> Broker {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = Broker {
+            port: free_port(),
+            dir,
+            child: None,
+            max_inflight,
+            verbose: false,
+            extra: String::new(),
+        };
+        b.spawn();
+        b
+    }
+
+    /// A broker that logs every packet (to check ack order from the broker's side).
+    pub fn start_verbose(max_inflight: u16) -> Broker {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = Broker {
+            port: free_port(),
+            dir,
+            child: None,
+            max_inflight,
+            verbose: true,
+            extra: String::new(),
+        };
+        b.spawn();
+        b
+    }
+
+    fn spawn(&mut self) {
+        // Started as root, mosquitto drops to its own user: it must be able to write its persistence file
+        // and log here.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(self.dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let conf = self.dir.path().join("mosquitto.conf");
+        let config = format!(
+            "listener {} 127.0.0.1\nallow_anonymous {}\npersistence true\npersistence_location {}/\n\
+             autosave_interval 1\nmax_inflight_messages {}\nmax_queued_messages 100000\n\
+             log_dest file {}/mosquitto.log\nlog_type error\nlog_type warning\nlog_type notice\n",
+            self.port,
+            self.extra.is_empty(),
+            self.dir.path().display(),
+            self.max_inflight,
+            self.dir.path().display()
+        );
+        let config = if self.verbose {
+            config + "log_type debug\n"
+        } else {
+            config
+        };
+        std::fs::write(&conf, config + &self.extra).unwrap();
+        let child = Command::new(mosquitto_path())
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start mosquitto");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "mosquitto did not listen on {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// A broker with a TLS listener (certificates made here with openssl, SAN IP:127.0.0.1) and password
+    /// authentication for `user`/`password`. Returns the broker and the CA certificate (PEM).
+    pub fn start_tls(user: &str, password: &str) -> (Broker, Vec<u8>) {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let run = |args: &[&str]| {
+            let out = Command::new(args[0])
+                .args(&args[1..])
+                .current_dir(d)
+                .output()
+                .expect(args[0]);
+            assert!(
+                out.status.success(),
+                "{args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        std::fs::write(d.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        let mut ca = vec!["openssl", "req", "-x509"];
+        ca.extend(ec);
+        ca.extend([
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=edge-inbox test CA",
+        ]);
+        run(&ca);
+        let mut csr = vec!["openssl", "req"];
+        csr.extend(ec);
+        csr.extend([
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=127.0.0.1",
+        ]);
+        run(&csr);
+        run(&[
+            "openssl",
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+        ]);
+        run(&["mosquitto_passwd", "-b", "-c", "passwd", user, password]);
+        use std::os::unix::fs::PermissionsExt;
+        for f in ["ca.crt", "server.crt", "server.key", "passwd"] {
+            std::fs::set_permissions(d.join(f), std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+        let extra = format!(
+            "cafile {0}/ca.crt\ncertfile {0}/server.crt\nkeyfile {0}/server.key\npassword_file {0}/passwd\n",
+            d.display()
+        );
+        let ca_pem = std::fs::read(d.join("ca.crt")).unwrap();
+        let mut b = Broker {
+            port: free_port(),
+            dir,
+            child: None,
+            max_inflight: 20,
+            verbose: false,
+            extra,
+        };
+        b.spawn();
+        (b, ca_pem)
+    }
+
+    /// Stops the broker gracefully (SIGTERM: it saves its persistence file) and starts it again on the same
+    /// port with the same state.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(c.id().to_string())
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                if c.try_wait().unwrap().is_some() {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// `mosquitto_pub` with the given extra arguments (host and port added), bounded in time.
+    pub fn pub_cmd(&self, args: &[&str]) -> Output {
+        let mut child = Command::new("mosquitto_pub")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-q", "1"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("mosquitto_pub");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "mosquitto_pub {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    /// Publishes one QoS1 message with MQTT 5 user property `message-id` (when given).
+    pub fn publish_v5(&self, topic: &str, id: Option<&str>, payload: &str) {
+        let mut args = vec!["-V", "5", "-t", topic, "-m", payload];
+        if let Some(id) = id {
+            args.extend(["-D", "publish", "user-property", "message-id", id]);
+        }
+        self.pub_cmd(&args);
+    }
+
+    /// Publishes many lines as separate QoS1 messages (`-l`), each with the same properties.
+    pub fn publish_lines_v5(&self, topic: &str, id: &str, lines: &str) {
+        let mut child = Command::new("mosquitto_pub")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-q",
+                "1",
+                "-V",
+                "5",
+                "-t",
+                topic,
+                "-l",
+            ])
+            .args(["-D", "publish", "user-property", "message-id", id])
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(lines.as_bytes())
+            .unwrap();
+        assert!(child.wait().unwrap().success());
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("mosquitto.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// One message for [`publish_v5`]: topic, optional `message-id`, optional `producer`, payload.
+#[derive(Clone)]
+pub struct Msg {
+    pub topic: String,
+    pub id: Option<String>,
+    pub producer: Option<String>,
+    pub payload: Vec<u8>,
+}
+
+impl Msg {
+    pub fn new(topic: &str, id: Option<&str>, payload: impl Into<Vec<u8>>) -> Msg {
+        Msg {
+            topic: topic.into(),
+            id: id.map(Into::into),
+            producer: None,
+            payload: payload.into(),
+        }
+    }
+}
+
+/// Publishes with rumqttc over MQTT 5 at QoS1 and waits (bounded) for every PUBACK.
+pub fn publish_v5(port: u16, msgs: &[Msg]) {
+    use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
+    use rumqttc::v5::mqttbytes::QoS;
+    use rumqttc::v5::{Client, Event, MqttOptions};
+    let mut o = MqttOptions::new(
+        format!("pub-{}-{}", std::process::id(), free_port()),
+        "127.0.0.1",
+        port,
+    );
+    o.set_keep_alive(Duration::from_secs(30));
+    let (client, mut conn) = Client::new(o, 64);
+    let total = msgs.len();
+    let publisher = {
+        let client = client.clone();
+        let msgs = msgs.to_vec();
+        std::thread::spawn(move || {
+            for Msg {
+                topic,
+                id,
+                producer,
+                payload,
+            } in msgs
+            {
+                let mut props = PublishProperties::default();
+                if let Some(id) = id {
+                    props.user_properties.push(("message-id".into(), id));
+                }
+                if let Some(p) = producer {
+                    props.user_properties.push(("producer".into(), p));
+                }
+                if client
+                    .publish_with_properties(topic, QoS::AtLeastOnce, false, payload, props)
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut acked = 0;
+    while acked < total {
+        assert!(
+            Instant::now() < deadline,
+            "publisher: only {acked} of {total} PUBACKs"
+        );
+        match conn.recv_timeout(Duration::from_millis(500)) {
+            Ok(Ok(Event::Incoming(Packet::PubAck(_)))) => acked += 1,
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                // The broker may be restarting; rumqttc republishes unacked messages after reconnecting.
+                eprintln!("publisher connection error: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(_) => {}
+        }
+    }
+    let _ = publisher.join();
+    let _ = client.disconnect();
+}
+
+/// Publishes CBOR envelopes with rumqttc over MQTT 3.1.1 at QoS1 and waits for every PUBACK.
+pub fn publish_v311(port: u16, msgs: &[(String, Vec<u8>)]) {
+    use rumqttc::{Client, Event, MqttOptions, Packet, QoS};
+    let mut o = MqttOptions::new(
+        format!("pub4-{}-{}", std::process::id(), free_port()),
+        "127.0.0.1",
+        port,
+    );
+    o.set_keep_alive(Duration::from_secs(30));
+    let (client, mut conn) = Client::new(o, 64);
+    let total = msgs.len();
+    let publisher = {
+        let client = client.clone();
+        let msgs = msgs.to_vec();
+        std::thread::spawn(move || {
+            for (topic, payload) in msgs {
+                if client
+                    .publish(topic, QoS::AtLeastOnce, false, payload)
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut acked = 0;
+    while acked < total {
+        assert!(
+            Instant::now() < deadline,
+            "publisher: only {acked} of {total} PUBACKs"
+        );
+        match conn.recv_timeout(Duration::from_millis(500)) {
+            Ok(Ok(Event::Incoming(Packet::PubAck(_)))) => acked += 1,
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                eprintln!("publisher connection error: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(_) => {}
+        }
+    }
+    let _ = publisher.join();
+    let _ = client.disconnect();
+}
+
+/// The inventory handler of the seed scenario: JSON `{"order","sku","qty","kind"}`; `created` reserves,
+/// `cancelled` releases, in the built-in KV state under `reserved/<sku>`.
+pub fn inventory_handler(
+    tx: &mut edge_inbox::Tx<'_>,
+    d: &edge_inbox::Delivery<'_>,
+) -> anyhow::Result<()> {
+    let v: serde_json::Value = serde_json::from_slice(d.payload)?;
+    let sku = v["sku"].as_str().ok_or_else(|| anyhow::anyhow!("no sku"))?;
+    let qty = v["qty"].as_i64().ok_or_else(|| anyhow::anyhow!("no qty"))?;
+    let sign = match v["kind"].as_str() {
+        Some("created") => 1,
+        Some("cancelled") => -1,
+        other => anyhow::bail!("unknown kind {other:?}"),
+    };
+    let key = format!("reserved/{sku}");
+    let now: i64 = tx.get(&key)?.unwrap_or(0);
+    tx.put(&key, &(now + sign * qty))?;
+    Ok(())
+}
+
+/// Reads `reserved/<sku>` for the scope from the database.
+pub fn reserved(db: &Path, scope: &str, sku: &str) -> i64 {
+    let conn = rusqlite::Connection::open(db).unwrap();
+    let blob: Option<Vec<u8>> = conn
+        .query_row(
+            "SELECT value FROM kv WHERE ns = ?1 AND key = ?2",
+            (scope, format!("reserved/{sku}")),
+            |r| r.get(0),
+        )
+        .ok();
+    blob.map(|b| ciborium::from_reader(&b[..]).unwrap())
+        .unwrap_or(0)
+}

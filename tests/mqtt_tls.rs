@@ -1,0 +1,69 @@
+//! TLS (rustls, ring provider) and username/password against a real mosquitto TLS listener.
+#![cfg(feature = "mqtt")]
+
+mod broker;
+mod common;
+
+use std::time::Duration;
+
+use broker::{inventory_handler, reserved, Broker};
+use edge_inbox::{Config, Consumer, Inbox, MqttConfig, Tls};
+
+const SCOPE: &str = "inventory-reservation";
+
+#[test]
+fn tls_with_password_consumes_and_a_wrong_password_never_connects() {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let (broker, ca_pem) = Broker::start_tls("gateway", "s3cret-pw");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let port = broker.port;
+    let ca_path = broker.dir.path().join("ca.crt");
+    let tls = Tls {
+        ca_pem,
+        client_auth: None,
+    };
+    let consumer = |password: &str, idle: u64| {
+        let mqtt = MqttConfig::new("127.0.0.1", port, "inv-tls")
+            .subscribe("orders/#")
+            .credentials("gateway", password)
+            .tls(tls.clone());
+        assert!(
+            !format!("{mqtt:?}").contains(password),
+            "the password never shows in Debug output"
+        );
+        Consumer::new(Inbox::open(&db, Config::default()).unwrap(), SCOPE, mqtt)
+            .exit_when_idle(Duration::from_millis(idle))
+    };
+
+    let refused = consumer("wrong", 1500).run(inventory_handler).unwrap();
+    assert_eq!(refused.connections, 0, "{refused:?}");
+
+    let first = consumer("s3cret-pw", 300).run(inventory_handler).unwrap();
+    assert!(first.connections >= 1, "{first:?}\n{}", broker.log());
+    let body = r#"{"order":1,"sku":"T-1","qty":2,"kind":"created"}"#;
+    for _ in 0..2 {
+        broker.pub_cmd(&[
+            "--cafile",
+            ca_path.to_str().unwrap(),
+            "-u",
+            "gateway",
+            "-P",
+            "s3cret-pw",
+            "-V",
+            "5",
+            "-t",
+            "orders/1",
+            "-m",
+            body,
+            "-D",
+            "publish",
+            "user-property",
+            "message-id",
+            "evt-1-created",
+        ]);
+    }
+    let s = consumer("s3cret-pw", 1500).run(inventory_handler).unwrap();
+    assert_eq!((s.processed, s.duplicates, s.acked), (1, 1, 2), "{s:?}");
+    assert_eq!(reserved(&db, SCOPE, "T-1"), 2);
+}
