@@ -370,6 +370,7 @@ impl Run<'_> {
             Outcome::Processed => self.summary.processed += 1,
             Outcome::Duplicate => self.summary.duplicates += 1,
             Outcome::Conflict { .. } => self.summary.conflicts += 1,
+            Outcome::Expired { .. } => self.summary.quarantined += 1,
             // Handler failures are counted where they are retried.
             _ => {}
         }
@@ -449,6 +450,29 @@ impl Run<'_> {
                     all_settled = false;
                     break;
                 }
+            } else if let Outcome::Expired {
+                quarantined: None,
+                sent_at,
+                pruned_before,
+            } = outcome
+            {
+                // Rejected by the scope's expired policy. A consumer cannot refuse a delivery without
+                // wedging on it, so the body is kept in quarantine and then acked: nothing silently lost.
+                let reason = format!(
+                    "expired: sent at {sent_at}, before the pruned identity horizon {pruned_before}"
+                );
+                let (topic, payload) = (d.topic, d.payload);
+                let scope = self.scope;
+                if self
+                    .retry("quarantine", |inbox| {
+                        inbox.quarantine(scope, topic, payload, &reason)
+                    })
+                    .is_none()
+                {
+                    all_settled = false;
+                    break;
+                }
+                self.summary.quarantined += 1;
             } else {
                 self.count(&outcome);
             }

@@ -27,7 +27,9 @@ pub enum ExpiredPolicy {
     /// Treat it as new: the handler runs. Logged and counted (`expired`). Risks a repeated effect.
     Process,
     /// Refuse it: nothing is applied and no identity is recorded. The outcome is [`Outcome::Expired`] with no
-    /// quarantine row, which must not be acked ([`Outcome::may_ack`] is false). Counted (`expired`).
+    /// quarantine row, which must not be acked ([`Outcome::may_ack`] is false): the caller decides. Counted
+    /// (`expired`). The MQTT adapter cannot refuse a delivery without stalling on it, so it quarantines such a
+    /// delivery itself and then acks it.
     Reject,
     /// Keep it for an operator in the `quarantine` table and do not apply it: [`Outcome::Expired`] with the
     /// quarantine row id, which may be acked. Counted (`expired` and `quarantined`). The default.
