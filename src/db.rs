@@ -4,11 +4,14 @@
 //! used it for every statement of every delivery would allocate several times per message. The handful of
 //! statements each delivery runs are prepared when the inbox opens and kept beside the connection.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::mem::ManuallyDrop;
 use std::ops::Deref;
+use std::ptr::NonNull;
 
 use rusqlite::{Connection, OptionalExtension, Statement};
+
+use crate::error::{Error, Result};
 
 /// Statements of the hot path. They borrow the boxed connection of their [`Db`] (hence the `'static`
 /// lifetime, which never escapes this module) and are dropped before it.
@@ -28,9 +31,19 @@ struct Hot {
 }
 
 /// An open database connection and its held statements. Dereferences to the connection for everything else.
+///
+/// It also keeps the connection's durability honest: a few internal transactions (a worker's claim, a prune
+/// step) may commit without their own fsync, between [`Db::start_relaxed`] and [`Db::end_relaxed`]; every other transaction starts
+/// at the configured `synchronous` level, set again and read back if a relaxed one ran before it.
 pub(crate) struct Db {
     hot: ManuallyDrop<Hot>,
-    conn: Box<Connection>,
+    /// Owned (from `Box::into_raw`); freed in `Drop` after the statements.
+    conn: NonNull<Connection>,
+    /// The configured `synchronous` level (2 FULL, 1 NORMAL).
+    durable: i64,
+    /// The level the connection is at now.
+    current: Cell<i64>,
+    relaxed: Cell<bool>,
 }
 
 // SAFETY: `Connection` is `Send`. The statements only borrow the connection owned by this same value, so
@@ -39,32 +52,59 @@ unsafe impl Send for Db {}
 
 impl Drop for Db {
     fn drop(&mut self) {
-        // SAFETY: dropped exactly once, here, before `conn` (a field, dropped after this body).
-        unsafe { ManuallyDrop::drop(&mut self.hot) }
+        // SAFETY: the statements are dropped exactly once, here, and before the connection they borrow;
+        // `conn` came from `Box::into_raw` in `Db::new` and is freed exactly once.
+        unsafe {
+            ManuallyDrop::drop(&mut self.hot);
+            drop(Box::from_raw(self.conn.as_ptr()));
+        }
     }
 }
 
 impl Deref for Db {
     type Target = Connection;
     fn deref(&self) -> &Connection {
-        &self.conn
+        // SAFETY: valid from `Db::new` until `Drop`; only shared references are ever made from it.
+        unsafe { self.conn.as_ref() }
     }
 }
 
 impl Db {
-    /// Takes an opened connection with the current schema and prepares the hot statements on it.
-    pub(crate) fn new(conn: Connection) -> rusqlite::Result<Db> {
-        let conn = Box::new(conn);
-        // SAFETY: the box's heap address is stable for as long as `Db` owns it, and `Drop` releases every
-        // statement before the connection; no `'static` statement is ever handed out.
-        let c: &'static Connection = unsafe { &*(&*conn as *const Connection) };
+    /// Takes an opened connection with the current schema, at `synchronous` level `durable`, and prepares
+    /// the hot statements on it.
+    pub(crate) fn new(conn: Connection, durable: i64) -> rusqlite::Result<Db> {
+        let conn = NonNull::from(Box::leak(Box::new(conn)));
+        // SAFETY: the allocation lives until `Drop`, which releases every statement first; no `'static`
+        // statement or reference is ever handed out of this module.
+        let c: &'static Connection = unsafe { &*conn.as_ptr() };
+        let prepared = Self::prepare(c);
+        match prepared {
+            Ok(hot) => Ok(Db {
+                hot: ManuallyDrop::new(hot),
+                conn,
+                durable,
+                current: Cell::new(durable),
+                relaxed: Cell::new(false),
+            }),
+            Err(e) => {
+                // SAFETY: no statement borrows the connection any more (`prepare` failed and dropped them).
+                unsafe { drop(Box::from_raw(conn.as_ptr())) };
+                Err(e)
+            }
+        }
+    }
+
+    fn prepare(c: &'static Connection) -> rusqlite::Result<Hot> {
+        // A savepoint name no handler can guess: a handler running `ROLLBACK TO` on it through `Tx::sql`
+        // would undo the identity insert and let the batch commit the effect twice.
+        let sp = format!("edge_inbox_{:016x}", savepoint_salt(c));
         let p = |sql: &str| c.prepare(sql).map(RefCell::new);
-        let hot = Hot {
+        Ok(Hot {
             begin: p("BEGIN IMMEDIATE")?,
             commit: p("COMMIT")?,
-            savepoint: p("SAVEPOINT delivery")?,
-            release: p("RELEASE delivery")?,
-            rollback_to: p("ROLLBACK TO delivery")?,
+            savepoint: p(&format!("SAVEPOINT {sp}"))?,
+            release: p(&format!("RELEASE {sp}"))?,
+            rollback_to: p(&format!("ROLLBACK TO {sp}"))?,
             insert_identity: p(
                 "INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, ?3, ?4) \
                  ON CONFLICT (scope_id, id_hash) DO NOTHING",
@@ -83,13 +123,60 @@ impl Db {
                  ON CONFLICT (ns, key) DO UPDATE SET value = excluded.value",
             )?,
             kv_delete: p("DELETE FROM kv WHERE ns = ?1 AND key = ?2")?,
-        };
-        Ok(Db {
-            hot: ManuallyDrop::new(hot),
-            conn,
         })
     }
 
+    /// Until [`Db::end_relaxed`], transactions started with [`crate::inbox::begin`] commit without their own
+    /// fsync (`synchronous=NORMAL`): for internal work whose loss on power failure is harmless.
+    pub(crate) fn start_relaxed(&self) {
+        self.relaxed.set(true);
+    }
+
+    /// Puts the connection back at the configured level and reads it back. Should that fail, the next
+    /// [`crate::inbox::begin`] tries again before anything is committed.
+    pub(crate) fn end_relaxed(&self) -> Result<()> {
+        self.relaxed.set(false);
+        self.prepare_level()
+    }
+
+    /// Puts the connection at the level the next transaction needs; called outside any transaction (SQLite
+    /// ignores the pragma inside one). Going back to the durable level is read back, never assumed.
+    pub(crate) fn prepare_level(&self) -> Result<()> {
+        let want = if self.relaxed.get() {
+            self.durable.min(1)
+        } else {
+            self.durable
+        };
+        if self.current.get() == want {
+            return Ok(());
+        }
+        self.execute_batch(&format!("PRAGMA synchronous = {want}"))?;
+        let got: i64 = self.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
+        if got != want {
+            return Err(Error::Setting {
+                wanted: format!("synchronous={want}"),
+                got: got.to_string(),
+            });
+        }
+        self.current.set(want);
+        Ok(())
+    }
+}
+
+/// Differs between connections and processes, so the savepoint name is not a constant anyone could use.
+fn savepoint_salt(c: &Connection) -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let mut seed = [0u8; 24];
+    seed[..8].copy_from_slice(&nanos.to_le_bytes());
+    seed[8..16].copy_from_slice(&(std::process::id() as u64).to_le_bytes());
+    seed[16..].copy_from_slice(&(c as *const Connection as usize as u64).to_le_bytes());
+    xxhash_rust::xxh3::xxh3_64(&seed)
+}
+
+impl Db {
     pub(crate) fn begin_immediate(&self) -> rusqlite::Result<()> {
         self.hot.begin.borrow_mut().execute([]).map(drop)
     }

@@ -77,6 +77,16 @@ pub enum Error {
         /// The underlying error.
         source: rusqlite::Error,
     },
+    /// `COMMIT` was refused by a deferred constraint of the application's own tables (a deferred foreign
+    /// key, say). Nothing was committed. [`Inbox::process`](crate::Inbox::process) and its batch forms turn
+    /// this into [`Outcome::HandlerFailed`](crate::Outcome::HandlerFailed) for the delivery at fault; other
+    /// callers see it as is.
+    CommitRefused {
+        /// SQLite extended result code (`SQLITE_CONSTRAINT*`).
+        code: i32,
+        /// The underlying error.
+        source: rusqlite::Error,
+    },
     /// Any other SQLite failure (I/O error, corruption, ...). Nothing was acknowledged.
     Storage {
         /// SQLite extended result code, or -1 when the error did not come from the SQLite library.
@@ -145,7 +155,9 @@ impl Error {
         match self {
             Error::Busy { code } | Error::ReadOnly { code } => Some(*code),
             Error::DiskFull => Some(ffi::SQLITE_FULL),
-            Error::CommitUnknown { code, .. } | Error::Storage { code, .. } => Some(*code),
+            Error::CommitUnknown { code, .. }
+            | Error::CommitRefused { code, .. }
+            | Error::Storage { code, .. } => Some(*code),
             _ => None,
         }
     }
@@ -167,6 +179,10 @@ impl fmt::Display for Error {
             Error::CommitUnknown { code, .. } => write!(
                 f,
                 "COMMIT failed with SQLite code {code}: outcome unknown, resolve by identity lookup"
+            ),
+            Error::CommitRefused { code, .. } => write!(
+                f,
+                "COMMIT refused by a deferred constraint (SQLite code {code}); nothing committed"
             ),
             Error::Storage { code, source } => {
                 write!(f, "storage error (SQLite code {code}): {source}")
@@ -195,7 +211,9 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::CommitUnknown { source, .. } | Error::Storage { source, .. } => Some(source),
+            Error::CommitUnknown { source, .. }
+            | Error::CommitRefused { source, .. }
+            | Error::Storage { source, .. } => Some(source),
             Error::Open { source, .. } => Some(source),
             Error::InvalidDelivery(why) => Some(why),
             _ => None,

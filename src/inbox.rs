@@ -68,7 +68,10 @@ impl Inbox {
     /// written.
     pub fn open(path: impl AsRef<Path>, config: Config) -> Result<Inbox> {
         let path = path.as_ref();
-        let conn = Db::new(schema::open(path, &config)?)?;
+        let conn = Db::new(
+            schema::open(path, &config)?,
+            config.synchronous.pragma_value(),
+        )?;
         Ok(Inbox {
             conn,
             config,
@@ -108,7 +111,7 @@ impl Inbox {
         mut handler: H,
     ) -> Result<Outcome> {
         let mut outcome = None;
-        self.run(std::slice::from_ref(delivery), &mut handler, |_, o| {
+        self.run(std::slice::from_ref(delivery), &mut handler, &mut |_, o| {
             outcome = Some(o)
         })?;
         Ok(outcome.expect("one delivery yields one outcome"))
@@ -139,7 +142,11 @@ impl Inbox {
         outcomes: &mut Vec<Outcome>,
     ) -> Result<()> {
         outcomes.clear();
-        let result = self.run(deliveries, handler, |_, o| outcomes.push(o));
+        // A batch retried one by one after a refused COMMIT emits its outcomes again from the start.
+        let result = self.run(deliveries, handler, &mut |i, o| {
+            outcomes.truncate(i);
+            outcomes.push(o)
+        });
         if result.is_err() {
             outcomes.clear();
         }
@@ -216,7 +223,7 @@ impl Inbox {
         &mut self,
         deliveries: &[Delivery<'_>],
         handler: &mut H,
-        mut emit: impl FnMut(usize, Outcome),
+        emit: &mut dyn FnMut(usize, Outcome),
     ) -> Result<()> {
         for d in deliveries {
             d.validate(&self.config.limits)?;
@@ -226,6 +233,53 @@ impl Inbox {
         if deliveries.is_empty() {
             return Ok(());
         }
+        match self.run_transaction(deliveries, handler, emit) {
+            Err(Error::CommitRefused { code, .. }) if deliveries.len() > 1 => {
+                // Some handler's writes broke a deferred constraint, which SQLite checks only at COMMIT.
+                // Nothing was committed; find the delivery at fault by giving each its own transaction.
+                log::warn!(
+                    "batch COMMIT refused (SQLite code {code}); retrying its deliveries one by one"
+                );
+                for (i, d) in deliveries.iter().enumerate() {
+                    self.run(std::slice::from_ref(d), handler, &mut |_, o| emit(i, o))?;
+                }
+                Ok(())
+            }
+            Err(Error::CommitRefused { code, source }) => {
+                // The effect was refused as a whole, like a handler error: rolled back with its identity.
+                let d = &deliveries[0];
+                let scope_id = self.scopes[d.scope];
+                begin(&self.conn)?;
+                let counted = flush_counts(
+                    &self.conn,
+                    &[Counts {
+                        scope_id,
+                        handler_failures: 1,
+                        ..Counts::default()
+                    }],
+                )
+                .and_then(|()| commit(&self.conn));
+                if counted.is_err() && !self.conn.is_autocommit() {
+                    let _ = self.conn.execute_batch("ROLLBACK");
+                }
+                counted?;
+                let err = anyhow::Error::new(source).context(format!(
+                    "COMMIT refused by a deferred constraint (SQLite code {code})"
+                ));
+                emit(0, Outcome::HandlerFailed(err));
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    /// One transaction over the whole batch: identities, handlers, counters, commit.
+    fn run_transaction<H: Handler>(
+        &mut self,
+        deliveries: &[Delivery<'_>],
+        handler: &mut H,
+        emit: &mut dyn FnMut(usize, Outcome),
+    ) -> Result<()> {
         let now = unix_now();
         self.counts.clear();
         begin(&self.conn)?;
@@ -233,13 +287,13 @@ impl Inbox {
         let applied = self
             .retention
             .refresh(&self.conn)
-            .and_then(|()| self.apply_all(deliveries, handler, now, &mut emit));
+            .and_then(|()| self.apply_all(deliveries, handler, now, emit));
         let result = applied
             .and_then(|()| flush_counts(&self.conn, &self.counts))
             .and_then(|()| commit(&self.conn));
         if result.is_err() && !self.conn.is_autocommit() {
-            // Best effort: if even ROLLBACK fails, SQLite rolls back when the connection closes or the
-            // next BEGIN fails; nothing uncommitted is ever reported as done.
+            // Best effort: if even ROLLBACK fails, the next `begin` rolls back before anything else;
+            // nothing uncommitted is ever reported as done.
             let _ = self.conn.execute_batch("ROLLBACK");
         }
         result
@@ -250,7 +304,7 @@ impl Inbox {
         deliveries: &[Delivery<'_>],
         handler: &mut H,
         now: i64,
-        emit: &mut impl FnMut(usize, Outcome),
+        emit: &mut dyn FnMut(usize, Outcome),
     ) -> Result<()> {
         let failure = Cell::new(None);
         for (i, d) in deliveries.iter().enumerate() {
@@ -291,16 +345,33 @@ pub(crate) fn unix_now() -> i64 {
         .unwrap_or(0)
 }
 
+/// Starts a write transaction: rolls back one left open by an interrupted call (a handler that panicked),
+/// puts the connection at the durability this transaction needs, then `BEGIN IMMEDIATE`.
 pub(crate) fn begin(conn: &Db) -> Result<()> {
+    if !conn.is_autocommit() {
+        log::warn!("rolling back a transaction left open by an earlier, interrupted call");
+        conn.execute_batch("ROLLBACK")?;
+    }
+    conn.prepare_level()?;
     conn.begin_immediate()?;
     Ok(())
 }
 
+/// `COMMIT`, its failure classified by the extended result code: a refused constraint, a busy database or a
+/// full disk leave nothing committed; any other failure (I/O above all) leaves the outcome unknown.
 pub(crate) fn commit(conn: &Db) -> Result<()> {
     conn.commit_raw().map_err(|e| {
         let code = extended_code(&e).unwrap_or(-1);
-        log::warn!("COMMIT failed with SQLite code {code}: outcome unknown until the identity is looked up");
-        Error::CommitUnknown { code, source: e }
+        match code & 0xff {
+            rusqlite::ffi::SQLITE_CONSTRAINT => Error::CommitRefused { code, source: e },
+            rusqlite::ffi::SQLITE_BUSY | rusqlite::ffi::SQLITE_LOCKED | rusqlite::ffi::SQLITE_FULL => Error::from(e),
+            _ => {
+                log::warn!(
+                    "COMMIT failed with SQLite code {code}: outcome unknown until the identity is looked up"
+                );
+                Error::CommitUnknown { code, source: e }
+            }
+        }
     })
 }
 

@@ -537,14 +537,11 @@ impl Inbox {
         // A prune step need not survive a power loss (a lost step is redone by the next pass; WAL keeps the file
         // consistent), so it skips the fsync and holds the write lock for less time. Consumers' own commits keep
         // their configured durability, and their next fsync covers these frames too.
-        self.conn.execute_batch("PRAGMA synchronous = NORMAL")?;
+        self.conn.start_relaxed();
         let result = self.prune_phase(opts, now, &mut report);
-        let restore = self.conn.execute_batch(&format!(
-            "PRAGMA synchronous = {}",
-            self.config.synchronous.pragma_value()
-        ));
+        let restored = self.conn.end_relaxed();
         result?;
-        restore?;
+        restored?;
         self.retention.pass.add(&report);
         if report.done {
             let pass = std::mem::take(&mut self.retention.pass);

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 
-use crate::config::{Config, Synchronous};
+use crate::config::Config;
 use crate::db::Db;
 use crate::deferred::unix_now_ms;
 use crate::error::{Error, Result};
@@ -318,12 +318,8 @@ impl Worker {
         abandon_leftover(conn);
         // A claim need not survive a power cut: lost, it only makes its messages claimable again, and the
         // apply transaction's fsync covers the claim's WAL frames anyway. So it commits without an fsync of its
-        // own, and the connection is put back (and checked) before anything else runs on it.
-        let relax = self.inbox.config.synchronous == Synchronous::Full;
-        if relax {
-            conn.prepare_cached("PRAGMA synchronous = NORMAL")?
-                .execute([])?;
-        }
+        // own; the next transaction on this connection is put back at the configured level (and checked).
+        conn.start_relaxed();
         let result = claim_rows(
             conn,
             &self.owner,
@@ -332,23 +328,10 @@ impl Worker {
             max,
             &mut claims,
         );
-        if relax {
-            let restored = conn
-                .prepare_cached("PRAGMA synchronous = FULL")
-                .and_then(|mut s| s.execute([]))
-                .and_then(|_| {
-                    conn.prepare_cached("PRAGMA synchronous")?
-                        .query_row([], |r| r.get::<_, i64>(0))
-                });
-            if !matches!(restored, Ok(2)) {
-                // Never go on with a connection whose commits would not be durable.
-                return Err(Error::Setting {
-                    wanted: "synchronous=FULL".into(),
-                    got: format!("{restored:?}"),
-                });
-            }
-        }
+        let restored = conn.end_relaxed();
         result?;
+        // Never go on with a connection whose commits would not be durable (the claims expire unused).
+        restored?;
         // RETURNING order is unspecified; handlers see arrival order.
         claims.sort_unstable_by_key(|c| c.seq);
         Ok(claims)
@@ -587,7 +570,7 @@ fn apply_claims<H: Handler>(
     let failure = std::cell::Cell::new(None);
     let (mut processed, mut failures, mut dead) = (0i64, 0i64, 0i64);
     for c in claims {
-        conn.prepare_cached("SAVEPOINT delivery")?.execute([])?;
+        conn.savepoint()?;
         let owned = conn
             .prepare_cached(
                 "UPDATE messages SET state = 1, finished_at = ?4, lease_owner = NULL, lease_until = NULL \
@@ -639,7 +622,7 @@ fn apply_claims<H: Handler>(
             }
             Err(err) => err,
         };
-        conn.prepare_cached("ROLLBACK TO delivery")?.execute([])?;
+        conn.rollback_to()?;
         release(conn)?;
         failures += 1;
         let attempts = c.attempts.saturating_add(1);

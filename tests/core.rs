@@ -689,3 +689,81 @@ fn concurrent_opens_of_a_new_file_agree() {
         }
     }
 }
+
+#[test]
+fn a_panicking_handler_leaves_no_transaction_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = Inbox::open(&path, Config::default()).unwrap();
+    let d = Delivery::new(SCOPE, "boom", "t", b"A-1");
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = inbox.process(
+            &d,
+            |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+                bump(tx, d)?;
+                panic!("handler bug")
+            },
+        );
+    }));
+    assert!(caught.is_err());
+    // The same inbox goes on (its next call rolls the leftover back), and nothing of the panicked call stays.
+    assert!(matches!(
+        inbox.process(&d, bump).unwrap(),
+        Outcome::Processed
+    ));
+    assert_eq!(counter(&inbox, "A-1"), 1);
+    // And the write lock is free for other connections.
+    let other = Inbox::open(
+        &path,
+        Config::default().busy_timeout(Duration::from_millis(200)),
+    );
+    let mut other = other.unwrap();
+    assert!(matches!(
+        other
+            .process(&Delivery::new(SCOPE, "other", "t", b"A-1"), bump)
+            .unwrap(),
+        Outcome::Processed
+    ));
+}
+
+#[test]
+fn a_deferred_constraint_refused_at_commit_fails_only_its_delivery() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = open(&dir);
+    inbox
+        .connection()
+        .execute_batch(
+            "CREATE TABLE sku (id TEXT PRIMARY KEY);
+             INSERT INTO sku VALUES ('A-1');
+             CREATE TABLE reservation (sku TEXT REFERENCES sku (id) DEFERRABLE INITIALLY DEFERRED);",
+        )
+        .unwrap();
+    // SQLite checks a deferred foreign key only at COMMIT: the handler itself succeeds.
+    let reserve = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        tx.sql().execute(
+            "INSERT INTO reservation VALUES (?1)",
+            [std::str::from_utf8(d.payload)?],
+        )?;
+        bump(tx, d)?;
+        Ok(())
+    };
+    let ds = [
+        Delivery::new(SCOPE, "r1", "t", b"A-1"),
+        Delivery::new(SCOPE, "r2", "t", b"NO-SUCH-SKU"),
+        Delivery::new(SCOPE, "r3", "t", b"A-1"),
+    ];
+    let outcomes = inbox.process_batch(&ds, reserve).unwrap();
+    let names: Vec<_> = outcomes.iter().map(Outcome::name).collect();
+    assert_eq!(names, ["processed", "handler-failed", "processed"]);
+    match &outcomes[1] {
+        Outcome::HandlerFailed(e) => {
+            assert!(format!("{e:#}").contains("deferred constraint"), "{e:#}")
+        }
+        _ => unreachable!(),
+    }
+    assert_eq!(counter(&inbox, "A-1"), 2);
+    assert_eq!(counter(&inbox, "NO-SUCH-SKU"), 0);
+    assert_eq!(inbox.status(SCOPE, None, "r2").unwrap(), Status::NotFound);
+    let s = inbox.scope_stats(SCOPE).unwrap();
+    assert_eq!((s.processed, s.handler_failures), (2, 1));
+}
