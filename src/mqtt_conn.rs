@@ -70,6 +70,7 @@ pub struct MqttConfig {
     pub(crate) keep_alive: Duration,
     pub(crate) session_expiry: u32,
     pub(crate) inflight: u16,
+    pub(crate) max_packet: u32,
     pub(crate) credentials: Option<(String, String)>,
     pub(crate) tls: Option<Tls>,
 }
@@ -85,6 +86,7 @@ impl fmt::Debug for MqttConfig {
             .field("keep_alive", &self.keep_alive)
             .field("session_expiry", &self.session_expiry)
             .field("inflight", &self.inflight)
+            .field("max_packet", &self.max_packet)
             .field("username", &self.credentials.as_ref().map(|(u, _)| u))
             .field("password", &self.credentials.as_ref().map(|_| "<redacted>"))
             .field("tls", &self.tls)
@@ -105,6 +107,7 @@ impl MqttConfig {
             keep_alive: Duration::from_secs(30),
             session_expiry: 7 * 24 * 3600,
             inflight: 20,
+            max_packet: MQTT_MAX_PACKET,
             credentials: None,
             tls: None,
         }
@@ -142,6 +145,15 @@ impl MqttConfig {
     /// until it acks. Default 20.
     pub fn inflight(mut self, window: u16) -> Self {
         self.inflight = window.max(1);
+        self
+    }
+
+    /// Largest packet accepted from the broker, in bytes. Default: the MQTT maximum (256 MiB), so that a
+    /// delivery over the inbox [`Limits`](crate::Limits) still arrives and is quarantined instead of failing
+    /// the connection again at every redelivery. Lower it only together with the broker's own message size
+    /// limit: with MQTT 5 the broker drops what exceeds it, with 3.1.1 such a delivery stalls the session.
+    pub fn max_packet_size(mut self, bytes: u32) -> Self {
+        self.max_packet = bytes.clamp(1024, MQTT_MAX_PACKET);
         self
     }
 
@@ -233,6 +245,9 @@ pub(crate) struct Shared {
     pub(crate) stop: Arc<AtomicBool>,
 }
 
+/// Largest packet MQTT can encode (the maximum Remaining Length plus the fixed header).
+const MQTT_MAX_PACKET: u32 = 268_435_455 + 5;
+
 /// Creates the client and starts the poll thread, which sends every QoS1 publish and (re)connection to `tx`.
 pub(crate) fn start(
     config: &MqttConfig,
@@ -247,7 +262,8 @@ pub(crate) fn start(
             let mut o = rumqttc::MqttOptions::new(&config.client_id, &config.host, config.port);
             o.set_clean_session(false)
                 .set_manual_acks(true)
-                .set_keep_alive(config.keep_alive);
+                .set_keep_alive(config.keep_alive)
+                .set_max_packet_size(config.max_packet as usize, config.max_packet as usize);
             o.set_transport(config.transport());
             if let Some((u, p)) = &config.credentials {
                 o.set_credentials(u, p);
@@ -266,6 +282,7 @@ pub(crate) fn start(
                 .set_keep_alive(config.keep_alive);
             o.set_session_expiry_interval(Some(config.session_expiry));
             o.set_receive_maximum(Some(config.inflight));
+            o.set_max_packet_size(Some(config.max_packet));
             o.set_transport(config.transport());
             if let Some((u, p)) = &config.credentials {
                 o.set_credentials(u, p);

@@ -214,7 +214,8 @@ fn bad_json_is_dead_lettered_after_retries_and_oversized_payloads_are_quarantine
     prime(&broker, &db, "inv-bad", Protocol::V5);
     broker.publish_v5("orders/1", Some("evt-1"), &order(1, "D-4", 1, "created"));
     broker.publish_v5("orders/2", Some("evt-2"), "{not json");
-    broker.publish_v5("orders/3", Some("evt-3"), &"x".repeat(4096));
+    // Also over rumqttc's default packet limit (10 KiB): it must reach the inbox to be quarantined.
+    broker.publish_v5("orders/3", Some("evt-3"), &"x".repeat(40_000));
     broker.publish_v5("orders/4", Some("evt-4"), &order(4, "D-4", 1, "created"));
 
     let mut c = consumer(
@@ -263,9 +264,9 @@ fn bad_json_is_dead_lettered_after_retries_and_oversized_payloads_are_quarantine
             Ok((r.get(0)?, r.get(1)?))
         })
         .unwrap();
-    assert!(reason.contains("payload is 4096 bytes"), "{reason}");
+    assert!(reason.contains("payload is 40000 bytes"), "{reason}");
     assert_eq!(
-        len, 4096,
+        len, 40_000,
         "the oversized payload is kept whole for the operator"
     );
 
