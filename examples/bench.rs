@@ -1059,7 +1059,7 @@ mod e2e {
                 return Ok(());
             }
             let (ready_tx, ready_rx) = mpsc::channel();
-            let (end, acked) = std::thread::scope(|s| -> anyhow::Result<(Instant, u64)> {
+            let acked = std::thread::scope(|s| -> anyhow::Result<u64> {
                 let consumer = match self.row {
                     E2eRow::Bare => {
                         let (id, topic) = (self.client_id.clone(), self.topic.clone());
@@ -1107,8 +1107,10 @@ mod e2e {
                             *inbox_slot = Some(consumer.into_inbox());
                             let summary = summary?;
                             anyhow::ensure!(
-                                summary.processed == len as u64 && summary.duplicates == 0,
-                                "consumer: {summary:?}, expected {len} processed"
+                                summary.processed == len as u64
+                                    && summary.acked == len as u64
+                                    && summary.duplicates == 0,
+                                "consumer: {summary:?}, expected {len} processed and acked"
                             );
                             Ok((end, summary.acked))
                         })
@@ -1126,9 +1128,8 @@ mod e2e {
                     self.cpu_self += cpu_ticks("self") - cpu.0;
                     self.cpu_broker += cpu_ticks(&broker_pid) - cpu.1;
                 }
-                Ok((end, acked))
+                Ok(acked)
             })?;
-            let _ = end;
             self.acked += acked;
             Ok(())
         }
