@@ -78,13 +78,13 @@ CREATE TABLE quarantine (
 -- Message bodies: pending work of the received-then-deferred mode, and optionally the payloads of processed
 -- deliveries. state: 0 pending, 1 processed, 2 failed (waiting for a retry), 3 dead-lettered.
 -- A row in state 0 or 2 is an acknowledged obligation: retention must never delete it (nor its identity).
--- payload becomes NULL when pruned (state 1 only); the identity row stays.
+-- Retention deletes processed rows (and dead letters, only if so configured) after their age; the identity
+-- row stays.
 -- not_before and lease_until are Unix *milliseconds*: leases and backoff need sub-second precision.
 -- A claim sets lease_owner, lease_until and bumps claims; claims doubles as the token of that one claim, so a
 -- worker whose lease expired and was taken over cannot commit (see src/worker.rs).
 -- attempts counts handler failures only (storage errors and crashes do not consume attempts).
 -- order_key, when set, serialises the messages sharing it in seq (arrival) order.
--- Retention prunes processed and dead-lettered rows (each after its own age); the identity row stays.
 CREATE TABLE messages (
     seq          INTEGER PRIMARY KEY,
     scope_id     INTEGER NOT NULL,

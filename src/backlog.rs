@@ -89,8 +89,8 @@ impl Inbox {
     }
 
     /// Reads [`Inbox::backlog`] and logs a warning (`log` crate, target `edge_inbox::backlog`) when it
-    /// [exceeds](Backlog::exceeds) `threshold`. Call it periodically (the
-    /// MQTT adapter does). Returns the snapshot either way.
+    /// [exceeds](Backlog::exceeds) `threshold`. Call it periodically from the
+    /// loop that runs the workers. Returns the snapshot either way.
     pub fn warn_if_backlogged(&self, scope: &str, threshold: &BacklogThreshold) -> Result<Backlog> {
         let b = self.backlog(scope)?;
         if b.exceeds(threshold) {

@@ -587,9 +587,13 @@ impl Run<'_> {
 
 impl Run<'_> {
     /// Queues one PUBACK, draining incoming events into the backlog while rumqttc's request channel is
-    /// full. False when the poll thread has ended.
+    /// full. False when the poll thread has ended or the connection changed meanwhile (the ack would be
+    /// stale: the broker redelivers instead).
     fn queue_ack(&mut self, token: AckToken) -> bool {
         loop {
+            if !self.connection_current() {
+                return false;
+            }
             if self.client.try_ack(token) {
                 return true;
             }

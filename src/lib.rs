@@ -102,7 +102,11 @@
 //! When `COMMIT` fails with an I/O error the transaction may or may not be on disk
 //! ([`Error::CommitUnknown`]). Do not ack. The broker redelivers, and the identity insert then either
 //! succeeds (it was not committed) or reports a duplicate (it was). [`Inbox::status`] answers the same
-//! question directly.
+//! question directly, except in a scope with sequence watermarks, whose numbered deliveries keep no identity
+//! row: there the redelivery settles it. Other `COMMIT` failures are classified by their extended result code:
+//! a busy database or a full disk leave nothing committed, and a deferred constraint of your own tables that
+//! refuses the commit ([`Error::CommitRefused`]) makes that delivery a [`Outcome::HandlerFailed`] (a batch is
+//! retried one delivery per transaction to find it).
 //!
 //! ## Received-then-deferred mode
 //!
@@ -144,8 +148,10 @@
 //! beyond a [`BacklogThreshold`].
 //!
 //! **Retention.** An acknowledged message that is not processed yet is an obligation: it is never deleted or
-//! forgotten. Pruning must skip `messages` rows in states pending (0) and failed (2) and their identities;
-//! dead letters (3) are kept for an operator. Only processed rows (1) may lose their payload.
+//! forgotten: pruning never touches `messages` rows in states pending (0) and failed (2), nor their
+//! identities. Processed rows (1) are pruned after their configured age; dead letters (3) are kept for an
+//! operator unless a separate, explicit dead-letter age is configured ([`RetentionPolicy`]). The identity
+//! row stays either way.
 //!
 //! **Leases and clocks.** Leases and backoff use the wall clock in milliseconds. All workers on one file share
 //! that clock; a clock step forward expires leases early (work may be redone and refused at commit, never
