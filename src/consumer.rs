@@ -456,23 +456,10 @@ impl Run<'_> {
                 pruned_before,
             } = outcome
             {
-                // Rejected by the scope's expired policy. A consumer cannot refuse a delivery without
-                // wedging on it, so the body is kept in quarantine and then acked: nothing silently lost.
-                let reason = format!(
-                    "expired: sent at {sent_at}, before the pruned identity horizon {pruned_before}"
-                );
-                let (topic, payload) = (d.topic, d.payload);
-                let scope = self.scope;
-                if self
-                    .retry("quarantine", |inbox| {
-                        inbox.quarantine(scope, topic, payload, &reason)
-                    })
-                    .is_none()
-                {
+                if !self.quarantine_expired(d, sent_at, pruned_before) {
                     all_settled = false;
                     break;
                 }
-                self.summary.quarantined += 1;
             } else {
                 self.count(&outcome);
             }
@@ -484,6 +471,23 @@ impl Run<'_> {
             return self.abandon(batch.len());
         }
         self.ack_ready();
+    }
+
+    /// An expired delivery rejected by the scope's policy. A consumer cannot refuse a delivery without
+    /// stalling on it, so its body is kept in quarantine before it is acked: nothing silently lost. False
+    /// when storage trouble outlived the connection or a stop (nothing may be acked).
+    fn quarantine_expired(&mut self, d: &Delivery<'_>, sent_at: i64, pruned_before: i64) -> bool {
+        let reason = format!(
+            "expired: sent at {sent_at}, before the pruned identity horizon {pruned_before}"
+        );
+        let scope = self.scope;
+        let kept = self.retry("quarantine", |inbox| {
+            inbox.quarantine(scope, d.topic, d.payload, &reason)
+        });
+        if kept.is_some() {
+            self.summary.quarantined += 1;
+        }
+        kept.is_some()
     }
 
     /// Tries a failed delivery again, alone, up to the attempt limit; then dead-letters it. False when
@@ -504,6 +508,13 @@ impl Run<'_> {
                     self.summary.handler_failures += 1;
                     err = e;
                 }
+                Some(Outcome::Expired {
+                    quarantined: None,
+                    sent_at,
+                    pruned_before,
+                }) => {
+                    return self.quarantine_expired(d, sent_at, pruned_before);
+                }
                 Some(o) => {
                     self.count(&o);
                     return true;
@@ -519,12 +530,13 @@ impl Run<'_> {
                 self.summary.dead_lettered += 1;
                 true
             }
-            Some(Outcome::Duplicate) => {
-                self.summary.duplicates += 1;
-                true
-            }
-            Some(_) => {
-                self.summary.conflicts += 1;
+            Some(Outcome::Expired {
+                quarantined: None,
+                sent_at,
+                pruned_before,
+            }) => self.quarantine_expired(d, sent_at, pruned_before),
+            Some(other) => {
+                self.count(&other);
                 true
             }
         }
