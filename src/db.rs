@@ -31,6 +31,8 @@ struct Hot {
 pub(crate) struct Db {
     hot: ManuallyDrop<Hot>,
     conn: Box<Connection>,
+    /// What outbox writes on this connection need from the inbox configuration.
+    pub(crate) outbox: crate::outbox::OutboxSettings,
 }
 
 // SAFETY: `Connection` is `Send`. The statements only borrow the connection owned by this same value, so
@@ -87,6 +89,7 @@ impl Db {
         Ok(Db {
             hot: ManuallyDrop::new(hot),
             conn,
+            outbox: Default::default(),
         })
     }
 

@@ -296,7 +296,10 @@ mod identity;
 mod inbox;
 #[cfg(feature = "mqtt")]
 mod mqtt_conn;
+mod outbox;
 mod outcome;
+#[cfg(feature = "mqtt")]
+mod relay;
 mod requeue;
 mod retention;
 mod schema;
@@ -315,7 +318,10 @@ pub use crate::identity::{Delivery, Fingerprint, IdHash};
 pub use crate::inbox::{Handler, Inbox};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt_conn::{MqttConfig, Protocol, Tls};
+pub use crate::outbox::{outbox_message_id, OutboxBacklog, OutboxProperties, Qos};
 pub use crate::outcome::{MessageState, Outcome, Status};
+#[cfg(feature = "mqtt")]
+pub use crate::relay::{Relay, RelayConfig, RelayStats};
 pub use crate::requeue::DeadLetter;
 pub use crate::retention::{versioned_scope, ExpiredPolicy, PruneReport, Pruning, RetentionPolicy};
 pub use crate::schema::{open_read_only, SCHEMA_VERSION};
