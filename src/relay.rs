@@ -106,7 +106,10 @@ pub struct RelayStats {
 ///   message id, which an edge-inbox consumer downstream deduplicates. Rows are never marked before their
 ///   PUBACK.
 /// - **Order.** Rows leave in commit (seq) order. After a reconnect the relay starts again from the oldest
-///   unconfirmed row, so a receiver may see a repeat of messages it already has, never a gap.
+///   unconfirmed row, so a receiver may see repeats of messages it already has; the first copies arrive in
+///   order. A publish the broker *refuses* (PUBACK with a failure reason code, e.g. not authorized) is sent
+///   again after a backoff, by which time later messages of the same window may have been delivered: only
+///   that case reorders.
 /// - **Bounded.** At most [`RelayConfig::inflight`] messages are unconfirmed at a time; while the broker is
 ///   away rows wait in the database and the relay retries with backoff.
 /// - **Threads.** The relay thread owns its [`Inbox`] (open a second one on the same file: reading the

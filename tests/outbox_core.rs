@@ -331,3 +331,49 @@ fn prune_outbox_deletes_only_sent_rows_older_than_asked() {
     assert_eq!(inbox.prune_outbox(Duration::ZERO).unwrap(), 2);
     assert_eq!(inbox.outbox_backlog().unwrap().pending, 6);
 }
+
+#[test]
+fn a_full_disk_while_publishing_fails_the_batch_even_when_the_handler_swallows_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = open(&dir);
+    // Warm up: every table has its pages, so only the large message needs new ones.
+    inbox
+        .process(
+            &Delivery::new(SCOPE, "warm", "orders", b"x"),
+            reserve_and_publish,
+        )
+        .unwrap();
+    let pages: i64 = inbox
+        .connection()
+        .query_row("PRAGMA page_count", [], |r| r.get(0))
+        .unwrap();
+    inbox
+        .connection()
+        .query_row(&format!("PRAGMA max_page_count = {pages}"), [], |_| Ok(()))
+        .unwrap();
+    let swallowing = |tx: &mut Tx<'_>, _d: &Delivery<'_>| -> anyhow::Result<()> {
+        let _ = tx.publish(
+            "stock/reserved",
+            &vec![7u8; 64 * 1024],
+            Qos::AtLeastOnce,
+            &OutboxProperties::new(),
+        );
+        Ok(())
+    };
+    let d = Delivery::new(SCOPE, "evt-full", "orders", b"x");
+    assert!(matches!(
+        inbox.process(&d, swallowing),
+        Err(Error::DiskFull)
+    ));
+    inbox
+        .connection()
+        .query_row("PRAGMA max_page_count = 1000000", [], |_| Ok(()))
+        .unwrap();
+    assert_eq!(rows(inbox.connection()).len(), 2, "only the warm-up's");
+    // The redelivery is new, not a duplicate, and writes its message.
+    assert!(matches!(
+        inbox.process(&d, reserve_and_publish).unwrap(),
+        Outcome::Processed
+    ));
+    assert_eq!(rows(inbox.connection()).len(), 4);
+}
