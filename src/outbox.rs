@@ -37,6 +37,7 @@ impl Qos {
         }
     }
 
+    #[cfg(feature = "mqtt")]
     pub(crate) fn from_sql(v: i64) -> Qos {
         if v == 0 {
             Qos::AtMostOnce
@@ -121,6 +122,7 @@ impl OutboxProperties {
     }
 
     /// Decodes stored properties (NULL: none).
+    #[cfg(feature = "mqtt")]
     pub(crate) fn decode(blob: Option<&[u8]>) -> Result<OutboxProperties> {
         match blob {
             None => Ok(OutboxProperties::default()),
@@ -386,6 +388,7 @@ pub struct OutboxBacklog {
 }
 
 /// One committed outbox message, as the relay reads it.
+#[cfg(feature = "mqtt")]
 #[derive(Debug, Clone)]
 pub(crate) struct OutboxRow {
     pub(crate) seq: i64,
@@ -460,6 +463,21 @@ impl Inbox {
         }
     }
 
+    /// Whether the outbox message `message_id` of `producer` was confirmed: `Some(true)` sent, `Some(false)`
+    /// pending, `None` not in the outbox (never written, or pruned).
+    pub fn outbox_status(&self, producer: &str, message_id: &str) -> Result<Option<bool>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT state FROM outbox WHERE producer = ?1 AND message_id = ?2")?
+            .query_row((producer, message_id), |r| r.get::<_, i64>(0))
+            .optional()?
+            .map(|state| state == 1))
+    }
+}
+
+/// The relay's reads and writes, on its own connection.
+#[cfg(feature = "mqtt")]
+impl Inbox {
     /// Up to `limit` pending rows after `after_seq`, in seq order (the relay's read).
     pub(crate) fn outbox_pending(&self, after_seq: i64, limit: usize) -> Result<Vec<OutboxRow>> {
         let mut stmt = self.conn.prepare_cached(
@@ -521,16 +539,5 @@ impl Inbox {
             .prepare_cached("UPDATE outbox SET attempts = attempts + 1 WHERE seq = ?1")?
             .execute([seq])?;
         Ok(())
-    }
-
-    /// Whether the outbox message `message_id` of `producer` was confirmed: `Some(true)` sent, `Some(false)`
-    /// pending, `None` not in the outbox (never written, or pruned).
-    pub fn outbox_status(&self, producer: &str, message_id: &str) -> Result<Option<bool>> {
-        Ok(self
-            .conn
-            .prepare_cached("SELECT state FROM outbox WHERE producer = ?1 AND message_id = ?2")?
-            .query_row((producer, message_id), |r| r.get::<_, i64>(0))
-            .optional()?
-            .map(|state| state == 1))
     }
 }
