@@ -115,22 +115,33 @@ CREATE INDEX messages_dead ON messages (scope_id, seq) WHERE state = 3;
 -- Per-key ordering: "is an earlier message with this key still open?"
 CREATE INDEX messages_open_by_key ON messages (scope_id, order_key, seq) WHERE state IN (0, 2) AND order_key IS NOT NULL;
 
--- Messages a handler asked to publish, written in the same commit as its effect.
--- state: 0 pending, 1 sent (PUBACK received).
+-- Consumer outbox: messages a handler asked to publish, written in the same commit as its effect and the
+-- identity of the delivery that caused them. A relay publishes pending rows in seq order and marks a row sent
+-- only after the broker's PUBACK for it; a crash in between resends it, with the same (producer, message_id),
+-- which the next consumer deduplicates on.
+-- state: 0 pending, 1 sent (PUBACK received, or written to the connection for QoS0).
+-- message_id is derived from the causing delivery's identity and the message's index within the handler call
+-- (see src/outbox.rs), so a retried handler writes the same ids. properties: CBOR (NULL when empty).
+-- attempts counts publishes the broker refused (a PUBACK with a failure reason code).
+-- created_at and sent_at are Unix seconds. Sent rows are deleted by Inbox::prune_outbox.
 CREATE TABLE outbox (
     seq        INTEGER PRIMARY KEY,
     scope_id   INTEGER NOT NULL,
-    message_id TEXT    NOT NULL UNIQUE,
+    producer   TEXT    NOT NULL,
+    message_id TEXT    NOT NULL,
     topic      TEXT    NOT NULL,
     payload    BLOB    NOT NULL,
-    qos        INTEGER NOT NULL,
+    qos        INTEGER NOT NULL CHECK (qos IN (0, 1)),
     properties BLOB,
     state      INTEGER NOT NULL DEFAULT 0 CHECK (state IN (0, 1)),
     attempts   INTEGER NOT NULL DEFAULT 0,
     created_at INTEGER NOT NULL,
-    sent_at    INTEGER
+    sent_at    INTEGER,
+    UNIQUE (producer, message_id)
 );
-CREATE INDEX outbox_pending ON outbox (state, seq);
+-- The relay reads pending rows in seq order; pruning finds sent rows by age. Partial: each row is in one.
+CREATE INDEX outbox_pending ON outbox (seq) WHERE state = 0;
+CREATE INDEX outbox_sent ON outbox (sent_at) WHERE state = 1;
 
 -- Per-producer sequence watermarks (opt-in per scope, see retention.watermarks): every sequence <= high is
 -- processed; exceptions holds the processed sequences above high + 1 that arrived out of order. Contiguous

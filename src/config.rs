@@ -67,6 +67,7 @@ pub struct Config {
     pub(crate) limits: Limits,
     pub(crate) journal_size_limit: i64,
     pub(crate) vfs: Option<String>,
+    pub(crate) outbox_producer: Option<String>,
 }
 
 impl Default for Config {
@@ -77,6 +78,7 @@ impl Default for Config {
             limits: Limits::default(),
             journal_size_limit: 64 << 20,
             vfs: None,
+            outbox_producer: None,
         }
     }
 }
@@ -113,6 +115,21 @@ impl Config {
     pub fn vfs(mut self, name: impl Into<String>) -> Self {
         self.vfs = Some(name.into());
         self
+    }
+
+    /// Producer namespace stamped on the messages handlers publish through the outbox
+    /// ([`Tx::publish`](crate::Tx::publish)), sent as the MQTT 5 user property `producer`. Default: the
+    /// consumer scope of the handler. Set it (a gateway name, say) when several gateways run the same scope
+    /// on their own event streams, so that their outbox ids cannot meet downstream. The value is stored with
+    /// each outbox row when it is written: changing it later does not change rows already written.
+    pub fn outbox_producer(mut self, producer: impl Into<String>) -> Self {
+        self.outbox_producer = Some(producer.into());
+        self
+    }
+
+    /// The configured outbox producer namespace, if set.
+    pub fn get_outbox_producer(&self) -> Option<&str> {
+        self.outbox_producer.as_deref()
     }
 
     /// The configured durability.

@@ -44,6 +44,8 @@ pub(crate) struct Db {
     /// The level the connection is at now.
     current: Cell<i64>,
     relaxed: Cell<bool>,
+    /// What outbox writes on this connection need from the inbox configuration.
+    pub(crate) outbox: crate::outbox::OutboxSettings,
 }
 
 // SAFETY: `Connection` is `Send`. The statements only borrow the connection owned by this same value, so
@@ -85,6 +87,7 @@ impl Db {
                 durable,
                 current: Cell::new(durable),
                 relaxed: Cell::new(false),
+                outbox: Default::default(),
             }),
             Err(e) => {
                 // SAFETY: no statement borrows the connection any more (`prepare` failed and dropped them).

@@ -68,10 +68,11 @@ impl Inbox {
     /// written.
     pub fn open(path: impl AsRef<Path>, config: Config) -> Result<Inbox> {
         let path = path.as_ref();
-        let conn = Db::new(
+        let mut conn = Db::new(
             schema::open(path, &config)?,
             config.synchronous.pragma_value(),
         )?;
+        conn.outbox = crate::outbox::OutboxSettings::from_config(&config);
         Ok(Inbox {
             conn,
             config,
@@ -404,7 +405,8 @@ fn apply_one<H: Handler>(
     }
 
     failure.set(None);
-    let mut tx = Tx::new(conn, d.scope, scope_id, now, buf, failure);
+    let mut tx =
+        Tx::new(conn, d.scope, scope_id, now, buf, failure).with_origin(d.producer, d.message_id);
     let result = handler(&mut tx, d);
     if let Some(code) = failure.get() {
         // The handler met storage trouble through the inbox's own API, whatever it returned.

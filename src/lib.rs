@@ -25,7 +25,9 @@
 //! [`Outcome::Duplicate`], and must not be acknowledged.
 //!
 //! It does **not** promise ordering or exactly-once *delivery*, and it does not cover effects outside the
-//! database (an HTTP call, an e-mail, another store): those need their own idempotency.
+//! database (an HTTP call, an e-mail, another store): those need their own idempotency (see
+//! [the consumer outbox](#consumer-outbox-publishing-from-a-handler) for messages to the broker, and the
+//! intent pattern after it for everything else).
 //!
 //! ## Quick start
 //!
@@ -221,6 +223,106 @@
 //! publishes order events with a redelivery, a conflicting reuse of an id and a message without an id, and
 //! prints what was reserved.
 //!
+//! ## Consumer outbox: publishing from a handler
+//!
+//! A handler that must emit a message (`stock-reserved` after a reservation) must neither lose it nor send
+//! it twice across a crash. Publishing from inside the handler would send before the commit (a rollback
+//! leaves a message about an effect that never happened); publishing after it loses the message when the
+//! process dies in between. [`Tx::publish`] writes the message to the `outbox` table **in the same
+//! transaction** as the delivery's identity and its effect: all three commit, or none does. Nothing is sent
+//! before the commit.
+//!
+//! ```no_run
+//! # #[cfg(feature = "mqtt")]
+//! use edge_inbox::{Config, Consumer, Delivery, Inbox, MqttConfig, OutboxProperties, Qos, Relay, Tx};
+//!
+//! # #[cfg(feature = "mqtt")]
+//! fn reserve(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
+//!     let reserved: i64 = tx.get("reserved/A-1")?.unwrap_or(0);
+//!     tx.put("reserved/A-1", &(reserved + 1))?;
+//!     tx.publish("stock/reserved/A-1", br#"{"sku":"A-1"}"#, Qos::AtLeastOnce, &OutboxProperties::new())?;
+//!     Ok(())
+//! }
+//!
+//! # #[cfg(not(feature = "mqtt"))] fn main() {}
+//! # #[cfg(feature = "mqtt")]
+//! # fn main() -> anyhow::Result<()> {
+//! let db = "/var/lib/gateway/inbox.db";
+//! let config = Config::default().outbox_producer("gateway-7");
+//! // The relay has its own connection to the file and its own MQTT client id.
+//! let relay = Relay::start(Inbox::open(db, config.clone())?, MqttConfig::new("broker.local", 1883, "gw7-relay"))?;
+//! let mqtt = MqttConfig::new("broker.local", 1883, "inventory-gw7").subscribe("orders/#");
+//! Consumer::new(Inbox::open(db, config)?, "inventory-reservation", mqtt).run(reserve)?;
+//! relay.stop();
+//! # Ok(()) }
+//! ```
+//!
+//! - **Stable ids.** Each message gets an application message id derived from the handled delivery's
+//!   identity and the message's index within the handler call ([`outbox_message_id`]; or your own with
+//!   [`Tx::publish_with_id`]). No clock, no randomness: a retried handler, or a redelivery after a crash
+//!   before the commit, derives the same ids, and only the attempt that commits writes them. The producer
+//!   namespace is [`Config::outbox_producer`] (a gateway name, say), by default the scope.
+//! - **The relay** ([`Relay`], feature `mqtt`) is a thread with its own [`Inbox`] on the same file and its
+//!   own MQTT 5 connection. It publishes pending rows in commit order with the user properties `message-id`
+//!   and `producer` (what [`UserProperty`] reads on the other side), at most [`RelayConfig::inflight`]
+//!   unconfirmed at a time, and marks a row sent only after the broker's PUBACK for it. A crash, a lost
+//!   connection or a refused publish leaves rows pending; they are sent again, from the oldest, after a
+//!   reconnect with backoff or a restart. Receivers therefore see every message **at least once, always with
+//!   the same id**: an edge-inbox consumer downstream applies each exactly once in effect. QoS0 messages are
+//!   marked when written and may be lost.
+//! - **Observability and retention.** [`Inbox::outbox_backlog`] gives pending count, oldest pending age and
+//!   sent count; [`Inbox::prune_outbox`] deletes sent rows older than an age (pending rows never).
+//! - Topic, payload and properties ([`OutboxProperties`]: user properties, content type, ..., stored as CBOR;
+//!   no MQTT types in the core) are checked against the inbox [`Limits`] before anything is written.
+//!
+//! ### Outside the guarantee: HTTP, e-mail, other stores
+//!
+//! The outbox covers messages to the broker only. A call to an HTTP API, an e-mail or a write to another
+//! database cannot join the SQLite transaction: if the handler made the call directly, a rollback or a
+//! crash before the commit would leave the effect done and the delivery not recorded, and the redelivery
+//! would do it again. The pattern is the same as the outbox's: **record the intent in the transaction,
+//! perform it afterwards with an idempotency key, then mark it done.**
+//!
+//! ```
+//! use edge_inbox::{outbox_message_id, Config, Delivery, Inbox, Tx};
+//! # fn main() -> anyhow::Result<()> {
+//! # let dir = tempfile::tempdir()?;
+//! let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default())?;
+//! inbox.connection().execute_batch(
+//!     "CREATE TABLE IF NOT EXISTS mail_intents (key TEXT PRIMARY KEY, body TEXT NOT NULL, done INTEGER NOT NULL DEFAULT 0)",
+//! )?;
+//! // 1. In the handler: the intent commits with the effect; its key is stable across attempts.
+//! let handler = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+//!     let key = outbox_message_id(d.scope, d.producer, d.message_id, 0);
+//!     tx.sql().execute(
+//!         "INSERT INTO mail_intents (key, body) VALUES (?1, ?2) ON CONFLICT DO NOTHING",
+//!         (&key, "order 42 reserved"),
+//!     )?;
+//!     Ok(())
+//! };
+//! inbox.process(&Delivery::new("notify", "evt-42", "orders/42", b"{}"), handler)?;
+//! // 2. After the commit, from a worker loop: perform each pending intent, passing the key as the
+//! //    idempotency key (e.g. an `Idempotency-Key` header), then mark it done. A crash in between repeats
+//! //    the call with the same key: the receiving system must deduplicate on it, or the effect may repeat.
+//! let pending: Vec<String> = inbox
+//!     .connection()
+//!     .prepare("SELECT key FROM mail_intents WHERE done = 0")?
+//!     .query_map([], |r| r.get(0))?
+//!     .collect::<Result<_, _>>()?;
+//! for key in pending {
+//!     // send_mail(&key, body)?;   -- external call with the idempotency key
+//!     inbox.connection().execute("UPDATE mail_intents SET done = 1 WHERE key = ?1", [&key])?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! The external system's own deduplication (an idempotency key, a conditional write, a unique constraint)
+//! is what makes the effect happen once; without it the effect is at-least-once.
+//!
+//! `examples/outbox.rs` runs the whole scenario on its own mosquitto: a consumer whose handler publishes
+//! `stock-reserved`, the relay, and a subscriber that prints what it gets (the redelivered order is announced
+//! once).
+//!
 //! ## Several consumers on one gateway
 //!
 //! Each thread or process opens its own [`Inbox`] on the same file. SQLite admits one writer at a time; the
@@ -302,7 +404,10 @@ mod identity;
 mod inbox;
 #[cfg(feature = "mqtt")]
 mod mqtt_conn;
+mod outbox;
 mod outcome;
+#[cfg(feature = "mqtt")]
+mod relay;
 mod requeue;
 mod retention;
 mod schema;
@@ -321,7 +426,10 @@ pub use crate::identity::{Delivery, Fingerprint, IdHash};
 pub use crate::inbox::{Handler, Inbox};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt_conn::{MqttConfig, Protocol, Tls};
+pub use crate::outbox::{outbox_message_id, OutboxBacklog, OutboxProperties, Qos};
 pub use crate::outcome::{MessageState, Outcome, Status};
+#[cfg(feature = "mqtt")]
+pub use crate::relay::{Relay, RelayConfig, RelayStats};
 pub use crate::requeue::DeadLetter;
 pub use crate::retention::{versioned_scope, ExpiredPolicy, PruneReport, Pruning, RetentionPolicy};
 pub use crate::schema::{open_read_only, SCHEMA_VERSION};

@@ -174,7 +174,7 @@ impl MqttConfig {
         self.inflight
     }
 
-    fn transport(&self) -> Transport {
+    pub(crate) fn transport(&self) -> Transport {
         match &self.tls {
             None => Transport::Tcp,
             Some(tls) => {

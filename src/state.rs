@@ -21,6 +21,10 @@ pub struct Tx<'a> {
     now: i64,
     buf: &'a RefCell<Vec<u8>>,
     failure: &'a Cell<Option<i32>>,
+    /// Identity (producer, message id) of the delivery being handled: the outbox derives its ids from it.
+    origin: Option<(Option<&'a str>, &'a str)>,
+    /// Outbox messages published so far by this handler call.
+    published: Cell<u32>,
 }
 
 impl<'a> Tx<'a> {
@@ -39,7 +43,30 @@ impl<'a> Tx<'a> {
             now,
             buf,
             failure,
+            origin: None,
+            published: Cell::new(0),
         }
+    }
+
+    /// The same transaction, handling the delivery `(producer, message_id)`.
+    pub(crate) fn with_origin(mut self, producer: Option<&'a str>, message_id: &'a str) -> Self {
+        self.origin = Some((producer, message_id));
+        self
+    }
+
+    pub(crate) fn origin(&self) -> Option<(Option<&'a str>, &'a str)> {
+        self.origin
+    }
+
+    /// Index of the next outbox message of this handler call, counting it.
+    pub(crate) fn next_publish_index(&self) -> u32 {
+        let i = self.published.get();
+        self.published.set(i.wrapping_add(1));
+        i
+    }
+
+    pub(crate) fn db(&self) -> &'a Db {
+        self.conn
     }
 
     /// The consumer scope of the delivery being handled; also the default key-value namespace.

@@ -601,7 +601,8 @@ fn apply_claims<H: Handler>(
         ))?;
 
         failure.set(None);
-        let mut tx = Tx::new(conn, scope, scope_id, now, buf, &failure);
+        let mut tx = Tx::new(conn, scope, scope_id, now, buf, &failure)
+            .with_origin(d.producer, d.message_id);
         let result = handler(&mut tx, &d);
         // Storage trouble first: SQLite may have rolled the transaction back itself (a full disk does).
         if let Some(code) = failure.get() {

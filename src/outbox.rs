@@ -1,0 +1,543 @@
+//! Consumer outbox: messages a handler publishes, written in the same transaction as its effect.
+//!
+//! The core only records them (no MQTT types here); the [`Relay`](crate::Relay) of the MQTT adapter sends them.
+
+use std::time::Duration;
+
+use rusqlite::OptionalExtension;
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::Xxh3Default;
+
+use crate::config::{Config, Limits};
+use crate::error::{is_unique_violation, Error, Result};
+use crate::inbox::{unix_now, Inbox};
+use crate::state::Tx;
+
+/// User property names the relay sets itself; a message may not carry its own.
+pub(crate) const RESERVED_PROPERTIES: [&str; 2] = ["message-id", "producer"];
+
+/// The broker's delivery guarantee for an outbox message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Qos {
+    /// QoS0: sent once, never confirmed. The row is marked sent once written to the connection, so a crash
+    /// or a dropped connection right after may lose it. Only for messages that may be lost.
+    AtMostOnce,
+    /// QoS1 (the default): the row is marked sent only after the broker's PUBACK; until then it is resent
+    /// after every reconnect or restart. Receivers see it at least once, always with the same message id.
+    #[default]
+    AtLeastOnce,
+}
+
+impl Qos {
+    pub(crate) fn to_sql(self) -> i64 {
+        match self {
+            Qos::AtMostOnce => 0,
+            Qos::AtLeastOnce => 1,
+        }
+    }
+
+    #[cfg(feature = "mqtt")]
+    pub(crate) fn from_sql(v: i64) -> Qos {
+        if v == 0 {
+            Qos::AtMostOnce
+        } else {
+            Qos::AtLeastOnce
+        }
+    }
+}
+
+/// Publish properties of an outbox message, stored with it as CBOR. Plain data, not rumqttc types: the
+/// relay maps them to MQTT 5 properties when it sends the message.
+///
+/// ```
+/// use edge_inbox::OutboxProperties;
+/// let props = OutboxProperties::new()
+///     .content_type("application/json")
+///     .user_property("order", "42");
+/// assert_eq!(props.user_properties, [("order".to_string(), "42".to_string())]);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+#[non_exhaustive]
+pub struct OutboxProperties {
+    /// MQTT 5 user properties, in order. `message-id` and `producer` are reserved: the relay sets them.
+    pub user_properties: Vec<(String, String)>,
+    /// MQTT 5 content type.
+    pub content_type: Option<String>,
+    /// MQTT 5 response topic.
+    pub response_topic: Option<String>,
+    /// MQTT 5 correlation data.
+    pub correlation_data: Option<Vec<u8>>,
+    /// MQTT 5 message expiry interval, seconds.
+    pub message_expiry: Option<u32>,
+    /// The MQTT retain flag.
+    pub retain: bool,
+}
+
+impl OutboxProperties {
+    /// No properties.
+    pub fn new() -> OutboxProperties {
+        OutboxProperties::default()
+    }
+
+    /// Adds a user property.
+    pub fn user_property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.user_properties.push((name.into(), value.into()));
+        self
+    }
+
+    /// Sets the content type.
+    pub fn content_type(mut self, content_type: impl Into<String>) -> Self {
+        self.content_type = Some(content_type.into());
+        self
+    }
+
+    /// Sets the response topic.
+    pub fn response_topic(mut self, topic: impl Into<String>) -> Self {
+        self.response_topic = Some(topic.into());
+        self
+    }
+
+    /// Sets the correlation data.
+    pub fn correlation_data(mut self, data: impl Into<Vec<u8>>) -> Self {
+        self.correlation_data = Some(data.into());
+        self
+    }
+
+    /// Sets the message expiry interval, in seconds.
+    pub fn message_expiry(mut self, seconds: u32) -> Self {
+        self.message_expiry = Some(seconds);
+        self
+    }
+
+    /// Sets the retain flag.
+    pub fn retain(mut self, retain: bool) -> Self {
+        self.retain = retain;
+        self
+    }
+
+    fn is_empty(&self) -> bool {
+        *self == OutboxProperties::default()
+    }
+
+    /// Decodes stored properties (NULL: none).
+    #[cfg(feature = "mqtt")]
+    pub(crate) fn decode(blob: Option<&[u8]>) -> Result<OutboxProperties> {
+        match blob {
+            None => Ok(OutboxProperties::default()),
+            Some(b) => ciborium::from_reader(b)
+                .map_err(|e| Error::Codec(format!("outbox properties: {e}"))),
+        }
+    }
+}
+
+/// The application message id of the `index`-th message (from 0) that a handler call publishes while it
+/// handles the delivery `(scope, producer, message_id)`: 32 hex digits of an xxh3-128 hash of those four.
+///
+/// Deterministic and random-free, so every attempt at the same delivery (a retried handler, a redelivery
+/// after a crash before the commit) derives the same ids, and only the attempt that commits writes them. Two
+/// different deliveries, or two scopes handling the same delivery, derive different ids. The hash is part of
+/// the stored format and never changes within a schema version.
+///
+/// ```
+/// use edge_inbox::outbox_message_id;
+/// let a = outbox_message_id("inventory-reservation", None, "evt-42-created", 0);
+/// assert_eq!(a, outbox_message_id("inventory-reservation", None, "evt-42-created", 0));
+/// assert_ne!(a, outbox_message_id("inventory-reservation", None, "evt-42-created", 1));
+/// assert_eq!(a.len(), 32);
+/// ```
+pub fn outbox_message_id(
+    scope: &str,
+    producer: Option<&str>,
+    message_id: &str,
+    index: u32,
+) -> String {
+    let mut h = Xxh3Default::new();
+    h.update(b"edge-inbox outbox v1\0");
+    let mut field = |bytes: &[u8]| {
+        h.update(&(bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
+    };
+    field(scope.as_bytes());
+    match producer {
+        None => field(&[]),
+        Some(p) => {
+            field(&[1]);
+            field(p.as_bytes());
+        }
+    }
+    field(message_id.as_bytes());
+    h.update(&index.to_le_bytes());
+    format!("{:032x}", h.digest128())
+}
+
+/// What outbox writes need from the inbox configuration, kept beside the connection.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct OutboxSettings {
+    producer: Option<String>,
+    limits: Limits,
+}
+
+impl OutboxSettings {
+    pub(crate) fn from_config(config: &Config) -> OutboxSettings {
+        OutboxSettings {
+            producer: config.outbox_producer.clone(),
+            limits: config.limits,
+        }
+    }
+}
+
+/// The MQTT limit on a topic name, whatever the configured one.
+const MQTT_MAX_TOPIC: usize = 65_535;
+
+fn invalid(why: String) -> Error {
+    Error::InvalidArgument(format!("outbox message: {why}"))
+}
+
+fn validate(
+    limits: &Limits,
+    producer: &str,
+    message_id: &str,
+    topic: &str,
+    payload: &[u8],
+    properties: &OutboxProperties,
+) -> Result<()> {
+    if topic.is_empty() {
+        return Err(invalid("topic is empty".into()));
+    }
+    let max_topic = limits.max_topic_len.min(MQTT_MAX_TOPIC);
+    if topic.len() > max_topic {
+        return Err(invalid(format!(
+            "topic is {} bytes, over the limit of {max_topic}",
+            topic.len()
+        )));
+    }
+    if topic.contains(['+', '#', '\0']) {
+        return Err(invalid(format!(
+            "topic {topic:?} contains a wildcard or NUL; publish topics must be plain names"
+        )));
+    }
+    if payload.len() > limits.max_payload_len {
+        return Err(invalid(format!(
+            "payload is {} bytes, over the limit of {}",
+            payload.len(),
+            limits.max_payload_len
+        )));
+    }
+    for (what, v) in [("message id", message_id), ("producer", producer)] {
+        if v.is_empty() {
+            return Err(invalid(format!("{what} is empty")));
+        }
+        if v.len() > limits.max_id_len {
+            return Err(invalid(format!(
+                "{what} is {} bytes, over the limit of {}",
+                v.len(),
+                limits.max_id_len
+            )));
+        }
+    }
+    if let Some((name, _)) = properties
+        .user_properties
+        .iter()
+        .find(|(k, _)| RESERVED_PROPERTIES.contains(&k.as_str()))
+    {
+        return Err(invalid(format!(
+            "user property {name:?} is reserved: the relay sets it from the outbox row"
+        )));
+    }
+    Ok(())
+}
+
+impl Tx<'_> {
+    /// Publishes a message **after** this transaction commits: writes it to the outbox in the same
+    /// transaction as the delivery's identity and the handler's state change. Nothing is sent before the
+    /// commit; if the handler fails or the batch rolls back, the row goes with it. A
+    /// [`Relay`](crate::Relay) sends committed rows in order and marks each sent only after the broker's
+    /// PUBACK, so a receiver sees the message at least once, always with the same message id.
+    ///
+    /// The message id is derived from the handled delivery and the call's index within this handler
+    /// invocation ([`outbox_message_id`]): a retried handler that publishes the same messages in the same
+    /// order writes the same ids. The producer namespace is [`Config::outbox_producer`], or the scope.
+    /// Returns the message id.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for an empty, wildcard or over-long topic, an over-long payload
+    /// ([`Limits`]) or a reserved user property; storage errors fail the whole batch, like every write
+    /// through [`Tx`].
+    ///
+    /// ```
+    /// use edge_inbox::{Config, Delivery, Inbox, OutboxProperties, Qos};
+    /// # fn main() -> anyhow::Result<()> {
+    /// # let dir = tempfile::tempdir()?;
+    /// let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default())?;
+    /// let d = Delivery::new("inventory-reservation", "evt-42-created", "orders/42", b"{}");
+    /// inbox.process(&d, |tx: &mut edge_inbox::Tx<'_>, _d: &Delivery<'_>| {
+    ///     tx.put("reserved/A-1", &1)?;
+    ///     tx.publish("stock/A-1/reserved", br#"{"order":42}"#, Qos::AtLeastOnce, &OutboxProperties::new())?;
+    ///     Ok(())
+    /// })?;
+    /// assert_eq!(inbox.outbox_backlog()?.pending, 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn publish(
+        &self,
+        topic: &str,
+        payload: &[u8],
+        qos: Qos,
+        properties: &OutboxProperties,
+    ) -> Result<String> {
+        let (producer, origin) = self.origin().ok_or_else(|| {
+            Error::InvalidArgument("outbox message outside a delivery's handler".into())
+        })?;
+        let id = outbox_message_id(self.scope(), producer, origin, self.next_publish_index());
+        self.insert_outbox(&id, topic, payload, qos, properties, true)?;
+        Ok(id)
+    }
+
+    /// [`Tx::publish`] with an application message id of your own (unique within the producer namespace,
+    /// and the same on every attempt at this delivery). Reusing an id already in the outbox is an
+    /// [`Error::InvalidArgument`].
+    pub fn publish_with_id(
+        &self,
+        message_id: &str,
+        topic: &str,
+        payload: &[u8],
+        qos: Qos,
+        properties: &OutboxProperties,
+    ) -> Result<()> {
+        self.insert_outbox(message_id, topic, payload, qos, properties, false)
+    }
+
+    fn insert_outbox(
+        &self,
+        message_id: &str,
+        topic: &str,
+        payload: &[u8],
+        qos: Qos,
+        properties: &OutboxProperties,
+        derived: bool,
+    ) -> Result<()> {
+        let db = self.db();
+        let producer = db.outbox.producer.as_deref().unwrap_or(self.scope());
+        validate(
+            &db.outbox.limits,
+            producer,
+            message_id,
+            topic,
+            payload,
+            properties,
+        )?;
+        let props = if properties.is_empty() {
+            None
+        } else {
+            let mut b = Vec::new();
+            ciborium::into_writer(properties, &mut b)
+                .map_err(|e| Error::Codec(format!("outbox properties: {e}")))?;
+            Some(b)
+        };
+        let inserted = self.track(|| {
+            db.prepare_cached(
+                "INSERT INTO outbox (scope_id, producer, message_id, topic, payload, qos, properties, created_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            )?
+            .execute((
+                self.scope_id(),
+                producer,
+                message_id,
+                topic,
+                payload,
+                qos.to_sql(),
+                props.as_deref(),
+                self.now(),
+            ))
+        });
+        match inserted {
+            Ok(_) => Ok(()),
+            Err(Error::Storage { source, .. }) if is_unique_violation(&source) => {
+                if derived {
+                    // Only a delivery whose identity was pruned and that is handled again derives an id
+                    // already in the outbox: the message is the same one, already recorded.
+                    log::info!(
+                        "outbox message {producer}/{message_id} is already recorded (its delivery was handled \
+                         again after its identity was pruned); not written twice"
+                    );
+                    Ok(())
+                } else {
+                    Err(invalid(format!(
+                        "message id {message_id:?} of producer {producer:?} is already in the outbox"
+                    )))
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The outbox at a glance, from [`Inbox::outbox_backlog`]. One read: the numbers agree.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxBacklog {
+    /// Messages committed and not yet confirmed by the broker.
+    pub pending: u64,
+    /// Age of the oldest pending message, from its commit, in whole seconds. `None` when none is pending.
+    pub oldest_pending_age: Option<Duration>,
+    /// Messages confirmed and not yet pruned ([`Inbox::prune_outbox`]).
+    pub sent: u64,
+    /// Publishes the broker refused so far (PUBACK with a failure reason code), summed over pending rows.
+    pub refusals: u64,
+}
+
+/// One committed outbox message, as the relay reads it.
+#[cfg(feature = "mqtt")]
+#[derive(Debug, Clone)]
+pub(crate) struct OutboxRow {
+    pub(crate) seq: i64,
+    pub(crate) producer: String,
+    pub(crate) message_id: String,
+    pub(crate) topic: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) qos: Qos,
+    pub(crate) properties: OutboxProperties,
+}
+
+/// Rows deleted per transaction by [`Inbox::prune_outbox`]: short write locks between consumer commits.
+const PRUNE_CHUNK: i64 = 500;
+
+impl Inbox {
+    /// Pending, oldest pending age and sent counts of the outbox (all scopes).
+    pub fn outbox_backlog(&self) -> Result<OutboxBacklog> {
+        let (pending, oldest, sent, refusals) = self
+            .conn
+            .prepare_cached(
+                "SELECT (SELECT count(*) FROM outbox WHERE state = 0), \
+                 (SELECT created_at FROM outbox WHERE state = 0 ORDER BY seq LIMIT 1), \
+                 (SELECT count(*) FROM outbox WHERE state = 1), \
+                 (SELECT coalesce(sum(attempts), 0) FROM outbox WHERE state = 0)",
+            )?
+            .query_row([], |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, Option<i64>>(1)?,
+                    r.get::<_, i64>(2)?,
+                    r.get::<_, i64>(3)?,
+                ))
+            })?;
+        let now = unix_now();
+        Ok(OutboxBacklog {
+            pending: pending as u64,
+            oldest_pending_age: oldest
+                .map(|at| Duration::from_secs(now.saturating_sub(at).max(0) as u64)),
+            sent: sent as u64,
+            refusals: refusals as u64,
+        })
+    }
+
+    /// Deletes outbox messages confirmed (sent) more than `older_than` ago, in short transactions; returns
+    /// how many. Pending messages are never deleted. Keep sent rows as long as you may want to inspect what
+    /// was published; their ids stay derivable, so a pruned message that is published again (a delivery
+    /// handled again after its identity was pruned) carries the same id as before.
+    pub fn prune_outbox(&mut self, older_than: Duration) -> Result<u64> {
+        let before = unix_now().saturating_sub(older_than.as_secs().min(i64::MAX as u64) as i64);
+        let mut total = 0u64;
+        loop {
+            crate::inbox::begin(&self.conn)?;
+            let deleted = self
+                .conn
+                .prepare_cached(
+                    "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE state = 1 AND sent_at < ?1 \
+                     ORDER BY sent_at LIMIT ?2)",
+                )
+                .and_then(|mut s| s.execute((before, PRUNE_CHUNK)));
+            let deleted = match deleted {
+                Ok(n) => n,
+                Err(e) => {
+                    let _ = self.conn.execute_batch("ROLLBACK");
+                    return Err(e.into());
+                }
+            };
+            crate::inbox::commit(&self.conn)?;
+            total += deleted as u64;
+            if (deleted as i64) < PRUNE_CHUNK {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Whether the outbox message `message_id` of `producer` was confirmed: `Some(true)` sent, `Some(false)`
+    /// pending, `None` not in the outbox (never written, or pruned).
+    pub fn outbox_status(&self, producer: &str, message_id: &str) -> Result<Option<bool>> {
+        Ok(self
+            .conn
+            .prepare_cached("SELECT state FROM outbox WHERE producer = ?1 AND message_id = ?2")?
+            .query_row((producer, message_id), |r| r.get::<_, i64>(0))
+            .optional()?
+            .map(|state| state == 1))
+    }
+}
+
+/// The relay's reads and writes, on its own connection.
+#[cfg(feature = "mqtt")]
+impl Inbox {
+    /// Up to `limit` pending rows after `after_seq`, in seq order (the relay's read).
+    pub(crate) fn outbox_pending(&self, after_seq: i64, limit: usize) -> Result<Vec<OutboxRow>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT seq, producer, message_id, topic, payload, qos, properties FROM outbox \
+             WHERE state = 0 AND seq > ?1 ORDER BY seq LIMIT ?2",
+        )?;
+        let rows = stmt.query_map((after_seq, limit as i64), |r| {
+            Ok((
+                OutboxRow {
+                    seq: r.get(0)?,
+                    producer: r.get(1)?,
+                    message_id: r.get(2)?,
+                    topic: r.get(3)?,
+                    payload: r.get(4)?,
+                    qos: Qos::from_sql(r.get(5)?),
+                    properties: OutboxProperties::default(),
+                },
+                r.get::<_, Option<Vec<u8>>>(6)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (mut row, props) = row?;
+            row.properties = OutboxProperties::decode(props.as_deref())?;
+            out.push(row);
+        }
+        Ok(out)
+    }
+
+    /// Marks rows sent, in one transaction. Losing the mark (a crash before it commits) only sends the rows
+    /// again, which receivers deduplicate.
+    pub(crate) fn outbox_mark_sent(&mut self, seqs: &[i64]) -> Result<()> {
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        let now = unix_now();
+        crate::inbox::begin(&self.conn)?;
+        let result = (|| -> rusqlite::Result<()> {
+            let mut stmt = self
+                .conn
+                .prepare_cached("UPDATE outbox SET state = 1, sent_at = ?2 WHERE seq = ?1")?;
+            for s in seqs {
+                stmt.execute((s, now))?;
+            }
+            Ok(())
+        })();
+        match result {
+            Ok(()) => crate::inbox::commit(&self.conn),
+            Err(e) => {
+                let _ = self.conn.execute_batch("ROLLBACK");
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Counts a publish the broker refused.
+    pub(crate) fn outbox_refused(&mut self, seq: i64) -> Result<()> {
+        self.conn
+            .prepare_cached("UPDATE outbox SET attempts = attempts + 1 WHERE seq = ?1")?
+            .execute([seq])?;
+        Ok(())
+    }
+}

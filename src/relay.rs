@@ -1,0 +1,557 @@
+//! The outbox relay: publishes committed outbox rows in order and marks each sent only after its PUBACK.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rumqttc::v5::mqttbytes::v5::{PubAckReason, PublishProperties};
+use rumqttc::v5::mqttbytes::QoS as Q5;
+
+use crate::consumer::StopHandle;
+use crate::error::{Error, Result};
+use crate::inbox::Inbox;
+use crate::mqtt_conn::{MqttConfig, Protocol};
+use crate::outbox::Qos;
+
+/// Settings of a [`Relay`]. Start from [`RelayConfig::default`].
+///
+/// ```
+/// use edge_inbox::RelayConfig;
+/// use std::time::Duration;
+/// let config = RelayConfig::default().inflight(16).max_backoff(Duration::from_secs(10));
+/// assert_eq!(config.get_inflight(), 16);
+/// ```
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    inflight: u16,
+    poll: Duration,
+    max_backoff: Duration,
+    drain: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            inflight: 32,
+            poll: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(5),
+            drain: Duration::from_secs(2),
+        }
+    }
+}
+
+impl RelayConfig {
+    /// Most messages published and not yet confirmed at any time. Default 32. The broker's Receive Maximum
+    /// lowers it further.
+    pub fn inflight(mut self, window: u16) -> Self {
+        self.inflight = window.max(1);
+        self
+    }
+
+    /// How often an idle relay looks for newly committed rows. Default 50 ms.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Longest wait between reconnection attempts (the wait doubles from 100 ms up to this). Default 5 s.
+    pub fn max_backoff(mut self, max: Duration) -> Self {
+        self.max_backoff = max.max(Duration::from_millis(100));
+        self
+    }
+
+    /// On stop, how long to wait for the PUBACKs of messages already published. Default 2 s. Whatever is
+    /// still unconfirmed stays pending and is sent again by the next relay.
+    pub fn drain(mut self, drain: Duration) -> Self {
+        self.drain = drain;
+        self
+    }
+
+    /// The in-flight window.
+    pub fn get_inflight(&self) -> u16 {
+        self.inflight
+    }
+}
+
+/// What a [`Relay`] has done since it started. In-memory counts; the durable view is
+/// [`Inbox::outbox_backlog`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayStats {
+    /// Publishes handed to the connection (a resend counts again).
+    pub published: u64,
+    /// PUBACKs with a success reason code (QoS0 messages count when written).
+    pub confirmed: u64,
+    /// Rows marked sent in the database.
+    pub marked: u64,
+    /// PUBACKs with a failure reason code (the row stays pending and is sent again after a backoff).
+    pub refused: u64,
+    /// Connections accepted by the broker.
+    pub connections: u64,
+    /// Connection attempts that failed, and connections lost.
+    pub connection_failures: u64,
+    /// Storage errors met (reading rows or marking them; each retried).
+    pub storage_errors: u64,
+}
+
+/// Publishes the outbox: a thread that sends committed rows over its own MQTT 5 connection, in seq order,
+/// with the user properties `message-id` and `producer` of each row, and marks a row sent only after the
+/// broker's PUBACK for it.
+///
+/// - **At least once, stable id.** A crash or a lost connection between the publish and the mark leaves
+///   the row pending; the next connection (or the next relay, after a restart) sends it again with the same
+///   message id, which an edge-inbox consumer downstream deduplicates. Rows are never marked before their
+///   PUBACK.
+/// - **Order.** Rows leave in commit (seq) order. After a reconnect the relay starts again from the oldest
+///   unconfirmed row, so a receiver may see repeats of messages it already has; the first copies arrive in
+///   order. A publish the broker *refuses* (PUBACK with a failure reason code, e.g. not authorized) is sent
+///   again after a backoff, by which time later messages of the same window may have been delivered: only
+///   that case reorders.
+/// - **Bounded.** At most [`RelayConfig::inflight`] messages are unconfirmed at a time; while the broker is
+///   away rows wait in the database and the relay retries with backoff.
+/// - **Threads.** The relay thread owns its [`Inbox`] (open a second one on the same file: reading the
+///   outbox never blocks a consumer beyond SQLite's usual locking) and a poll thread per connection owns
+///   rumqttc: it only forwards events and never touches SQLite.
+///
+/// Give the relay a client id of its own (not the consumer's); it connects with a clean session. MQTT 3.1.1
+/// is not supported (it has no user properties to carry the id).
+pub struct Relay {
+    stop: StopHandle,
+    stats: Arc<Mutex<RelayStats>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Relay {
+    /// Starts a relay with [`RelayConfig::default`]. See [`Relay::start_with`].
+    pub fn start(inbox: Inbox, mqtt: MqttConfig) -> Result<Relay> {
+        Relay::start_with(inbox, mqtt, RelayConfig::default())
+    }
+
+    /// Starts the relay thread on `inbox` (its own connection to the database file) and `mqtt` (host,
+    /// port, client id, credentials, TLS; subscriptions are ignored). Returns at once; the thread connects,
+    /// retries with backoff and publishes until [`Relay::stop`].
+    ///
+    /// Errors: [`Error::InvalidArgument`] for MQTT 3.1.1, or when the thread cannot be started.
+    pub fn start_with(inbox: Inbox, mqtt: MqttConfig, config: RelayConfig) -> Result<Relay> {
+        if mqtt.protocol != Protocol::V5 {
+            return Err(Error::InvalidArgument(
+                "the outbox relay needs MQTT 5 (the message id travels in a user property)".into(),
+            ));
+        }
+        let stop = StopHandle::default();
+        let stats = Arc::new(Mutex::new(RelayStats::default()));
+        let thread = {
+            let stop = stop.clone();
+            let stats = stats.clone();
+            std::thread::Builder::new()
+                .name(format!("outbox-relay-{}", mqtt.client_id))
+                .spawn(move || {
+                    RelayLoop {
+                        inbox,
+                        mqtt,
+                        config,
+                        stop,
+                        stats,
+                    }
+                    .run()
+                })
+                .map_err(|e| {
+                    Error::InvalidArgument(format!("cannot start the relay thread: {e}"))
+                })?
+        };
+        Ok(Relay {
+            stop,
+            stats,
+            thread: Some(thread),
+        })
+    }
+
+    /// A handle that stops the relay from anywhere (the relay then finishes as [`Relay::stop`] describes).
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
+    /// A snapshot of the counts so far.
+    pub fn stats(&self) -> RelayStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// True while the relay thread runs.
+    pub fn is_running(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// Stops publishing new rows, waits up to [`RelayConfig::drain`] for the PUBACKs of those in flight,
+    /// marks them, disconnects and joins the thread. Returns the final counts.
+    pub fn stop(mut self) -> RelayStats {
+        self.shutdown();
+        self.stats()
+    }
+
+    fn shutdown(&mut self) {
+        self.stop.stop();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                log::error!("the outbox relay thread panicked");
+            }
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// What a connection's poll thread tells the relay thread.
+enum RelayEvent {
+    Connected,
+    /// rumqttc wrote the next queued publish, with this packet id (0 for QoS0).
+    Published(u16),
+    PubAck {
+        pkid: u16,
+        ok: bool,
+    },
+    Lost(String),
+}
+
+/// One connection: a fresh rumqttc client, so that nothing of an earlier connection is replayed behind our
+/// back and every `Outgoing::Publish` is one of ours, in the order we queued them.
+struct Link {
+    client: rumqttc::v5::Client,
+    rx: Receiver<RelayEvent>,
+    stop: Arc<AtomicBool>,
+    poller: Option<JoinHandle<()>>,
+}
+
+impl Link {
+    fn open(mqtt: &MqttConfig, window: u16) -> std::io::Result<Link> {
+        let mut o = rumqttc::v5::MqttOptions::new(&mqtt.client_id, &mqtt.host, mqtt.port);
+        o.set_clean_start(true)
+            .set_keep_alive(mqtt.keep_alive)
+            .set_outgoing_inflight_upper_limit(window);
+        o.set_transport(mqtt.transport());
+        if let Some((u, p)) = &mqtt.credentials {
+            o.set_credentials(u, p);
+        }
+        let (client, conn) = rumqttc::v5::Client::new(o, usize::from(window) + 8);
+        let (tx, rx) = channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let poller = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name(format!("relay-poll-{}", mqtt.client_id))
+                .spawn(move || poll(conn, tx, stop))?
+        };
+        Ok(Link {
+            client,
+            rx,
+            stop,
+            poller: Some(poller),
+        })
+    }
+
+    fn close(mut self) {
+        let _ = self.client.try_disconnect();
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(p) = self.poller.take() {
+            let _ = p.join();
+        }
+    }
+}
+
+fn poll(mut conn: rumqttc::v5::Connection, tx: Sender<RelayEvent>, stop: Arc<AtomicBool>) {
+    use rumqttc::v5::{Event as E, Incoming as Packet};
+    use rumqttc::Outgoing;
+    loop {
+        let event = match conn.recv_timeout(Duration::from_millis(100)) {
+            Ok(Ok(E::Incoming(Packet::ConnAck(_)))) => RelayEvent::Connected,
+            Ok(Ok(E::Outgoing(Outgoing::Publish(pkid)))) => RelayEvent::Published(pkid),
+            Ok(Ok(E::Incoming(Packet::PubAck(ack)))) => RelayEvent::PubAck {
+                pkid: ack.pkid,
+                ok: matches!(
+                    ack.reason,
+                    PubAckReason::Success | PubAckReason::NoMatchingSubscribers
+                ),
+            },
+            Ok(Ok(_)) => continue,
+            Ok(Err(e)) => {
+                // A fresh link is opened for the next attempt; this one is done.
+                let _ = tx.send(RelayEvent::Lost(e.to_string()));
+                return;
+            }
+            Err(rumqttc::v5::RecvTimeoutError::Timeout) => {
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                continue;
+            }
+            Err(rumqttc::v5::RecvTimeoutError::Disconnected) => return,
+        };
+        if tx.send(event).is_err() || stop.load(Ordering::Relaxed) {
+            return;
+        }
+    }
+}
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+/// How a connection ended.
+enum Ended {
+    Stopped,
+    Lost {
+        was_connected: bool,
+    },
+    /// The broker refused a publish: start over from the oldest pending row after a backoff.
+    Refused,
+}
+
+struct RelayLoop {
+    inbox: Inbox,
+    mqtt: MqttConfig,
+    config: RelayConfig,
+    stop: StopHandle,
+    stats: Arc<Mutex<RelayStats>>,
+}
+
+/// Rows of one connection on their way to being marked sent.
+#[derive(Default)]
+struct Flight {
+    /// Queued to rumqttc, packet id not assigned yet, in queue order: (seq, qos).
+    queued: VecDeque<(i64, Qos)>,
+    /// Packet id -> seq, published and awaiting the PUBACK.
+    unacked: HashMap<u16, i64>,
+    /// Confirmed, not yet marked in the database.
+    confirmed: Vec<i64>,
+    /// Highest seq queued on this connection.
+    cursor: i64,
+}
+
+impl Flight {
+    fn outstanding(&self) -> usize {
+        self.queued.len() + self.unacked.len() + self.confirmed.len()
+    }
+}
+
+impl RelayLoop {
+    fn bump(&self, f: impl FnOnce(&mut RelayStats)) {
+        f(&mut self.stats.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
+    fn run(mut self) {
+        log::info!("outbox relay starting: {:?}", self.mqtt);
+        let mut backoff = FIRST_BACKOFF;
+        let mut leftover: Vec<i64> = Vec::new();
+        while !self.stop.is_stopped() {
+            let link = match Link::open(&self.mqtt, self.config.inflight) {
+                Ok(l) => l,
+                Err(e) => {
+                    log::error!("outbox relay cannot start its poll thread: {e}");
+                    self.nap(backoff);
+                    backoff = (backoff * 2).min(self.config.max_backoff);
+                    continue;
+                }
+            };
+            let mut flight = Flight {
+                confirmed: std::mem::take(&mut leftover),
+                ..Flight::default()
+            };
+            let ended = self.connection(&link, &mut flight);
+            link.close();
+            // Marks that could not be written yet are kept for the next connection (resending them is
+            // harmless, but needless).
+            self.mark(&mut flight);
+            leftover = flight.confirmed;
+            match ended {
+                Ended::Stopped => break,
+                Ended::Refused => {
+                    self.nap(backoff);
+                    backoff = (backoff * 2).min(self.config.max_backoff);
+                }
+                Ended::Lost { was_connected } => {
+                    self.bump(|s| s.connection_failures += 1);
+                    if was_connected {
+                        backoff = FIRST_BACKOFF;
+                    }
+                    self.nap(backoff);
+                    backoff = (backoff * 2).min(self.config.max_backoff);
+                }
+            }
+        }
+        log::info!("outbox relay stopped: {:?}", self.stats.lock().map(|s| *s));
+    }
+
+    fn nap(&self, d: Duration) {
+        let deadline = Instant::now() + d;
+        while !self.stop.is_stopped() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            std::thread::sleep(left.min(Duration::from_millis(20)));
+        }
+    }
+
+    /// Publishes over one link until it is lost or a stop is asked.
+    fn connection(&mut self, link: &Link, flight: &mut Flight) -> Ended {
+        let window = usize::from(self.config.inflight);
+        let mut connected = false;
+        let mut drain_until: Option<Instant> = None;
+        loop {
+            if self.stop.is_stopped() {
+                let until = *drain_until.get_or_insert_with(|| Instant::now() + self.config.drain);
+                if !connected
+                    || (flight.queued.is_empty() && flight.unacked.is_empty())
+                    || Instant::now() >= until
+                {
+                    return Ended::Stopped;
+                }
+            } else if connected && flight.outstanding() < window {
+                if let Err(e) = self.fill(link, flight, window) {
+                    return e;
+                }
+            }
+            let mut next = match link.rx.recv_timeout(self.config.poll) {
+                Ok(e) => Some(e),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Ended::Lost {
+                        was_connected: connected,
+                    }
+                }
+            };
+            while let Some(event) = next.take() {
+                match event {
+                    RelayEvent::Connected => {
+                        connected = true;
+                        self.bump(|s| s.connections += 1);
+                        log::info!("outbox relay connected");
+                    }
+                    RelayEvent::Published(pkid) => match flight.queued.pop_front() {
+                        Some((seq, Qos::AtMostOnce)) => {
+                            flight.confirmed.push(seq);
+                            self.bump(|s| s.confirmed += 1);
+                        }
+                        Some((seq, _)) => {
+                            flight.unacked.insert(pkid, seq);
+                        }
+                        None => log::warn!("outbox relay: publish {pkid} that was not queued"),
+                    },
+                    RelayEvent::PubAck { pkid, ok } => match flight.unacked.remove(&pkid) {
+                        None => log::warn!("outbox relay: PUBACK {pkid} for nothing in flight"),
+                        Some(seq) if ok => {
+                            flight.confirmed.push(seq);
+                            self.bump(|s| s.confirmed += 1);
+                        }
+                        Some(seq) => {
+                            self.bump(|s| s.refused += 1);
+                            log::warn!(
+                                "the broker refused outbox message seq {seq}; it stays pending and is sent \
+                                 again after a backoff"
+                            );
+                            if self.inbox.outbox_refused(seq).is_err() {
+                                self.bump(|s| s.storage_errors += 1);
+                            }
+                            // Start over from the oldest pending row, after a backoff, keeping the order.
+                            return Ended::Refused;
+                        }
+                    },
+                    RelayEvent::Lost(why) => {
+                        if connected {
+                            log::warn!(
+                                "outbox relay lost its connection: {why}; unconfirmed messages are sent again"
+                            );
+                        } else {
+                            log::warn!("outbox relay cannot connect: {why}");
+                        }
+                        return Ended::Lost {
+                            was_connected: connected,
+                        };
+                    }
+                }
+                next = link.rx.try_recv().ok();
+            }
+            self.mark(flight);
+        }
+    }
+
+    /// Queues pending rows after the cursor, up to the window.
+    fn fill(&mut self, link: &Link, flight: &mut Flight, window: usize) -> Result<(), Ended> {
+        let room = window - flight.outstanding();
+        let rows = match self.inbox.outbox_pending(flight.cursor, room) {
+            Ok(rows) => rows,
+            Err(e) => {
+                self.bump(|s| s.storage_errors += 1);
+                log::warn!("outbox relay cannot read the outbox: {e}; retrying");
+                return Ok(());
+            }
+        };
+        for row in rows {
+            let mut props = PublishProperties {
+                user_properties: Vec::with_capacity(row.properties.user_properties.len() + 2),
+                content_type: row.properties.content_type,
+                response_topic: row.properties.response_topic,
+                correlation_data: row.properties.correlation_data.map(Into::into),
+                message_expiry_interval: row.properties.message_expiry,
+                ..PublishProperties::default()
+            };
+            props
+                .user_properties
+                .push(("message-id".into(), row.message_id));
+            props
+                .user_properties
+                .push(("producer".into(), row.producer));
+            props.user_properties.extend(row.properties.user_properties);
+            let qos = match row.qos {
+                Qos::AtMostOnce => Q5::AtMostOnce,
+                Qos::AtLeastOnce => Q5::AtLeastOnce,
+            };
+            if let Err(e) = link.client.try_publish_with_properties(
+                row.topic,
+                qos,
+                row.properties.retain,
+                row.payload,
+                props,
+            ) {
+                log::warn!("outbox relay could not queue a publish: {e}");
+                return Err(Ended::Lost {
+                    was_connected: true,
+                });
+            }
+            flight.queued.push_back((row.seq, row.qos));
+            flight.cursor = row.seq;
+            self.bump(|s| s.published += 1);
+        }
+        Ok(())
+    }
+
+    /// Marks confirmed rows sent; on a storage error keeps them for the next try.
+    fn mark(&mut self, flight: &mut Flight) {
+        if flight.confirmed.is_empty() {
+            return;
+        }
+        match self.inbox.outbox_mark_sent(&flight.confirmed) {
+            Ok(()) => {
+                let n = flight.confirmed.len() as u64;
+                self.bump(|s| s.marked += n);
+                flight.confirmed.clear();
+            }
+            Err(e) => {
+                self.bump(|s| s.storage_errors += 1);
+                log::warn!("outbox relay cannot mark messages sent: {e}; retrying");
+            }
+        }
+    }
+}
