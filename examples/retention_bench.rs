@@ -138,7 +138,8 @@ fn identities(
         &Pruning::default()
             .batch(5_000)
             .vacuum_pages(4_096)
-            .pause(Duration::ZERO),
+            .pause(Duration::ZERO)
+            .idle(0),
     )?;
     eprintln!("  pruned in {:.1?}: {report:?}", started.elapsed());
     let after = on_disk(path);
@@ -249,14 +250,14 @@ fn consume(
     let mut lat = Vec::new();
     let mut id = String::new();
     let payload = b"{\"order\":1}";
-    let mut noop = |_: &mut Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> { Ok(()) };
+    let noop = |_: &mut Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> { Ok(()) };
     while !stop.load(Ordering::SeqCst) || lat.len() < min {
         id.clear();
         use std::fmt::Write;
         write!(id, "{prefix}-{}", lat.len())?;
         let d = Delivery::new("consumer", &id, "orders", payload);
         let t = Instant::now();
-        inbox.process(&d, &mut noop)?;
+        inbox.process(&d, noop)?;
         lat.push(t.elapsed());
         std::thread::sleep(gap);
     }

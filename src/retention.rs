@@ -146,7 +146,7 @@ impl RetentionPolicy {
     ///
     /// Trade-off: no fingerprint is kept per sequence, so a sequence reused with different content is reported
     /// as [`Outcome::Duplicate`], not as a conflict. Deliveries without a producer or sequence, or with a
-    /// sequence below `first`, use identity rows as usual.
+    /// sequence below `first` (or above `i64::MAX`), use identity rows as usual.
     ///
     /// Can only be chosen (or changed) while the scope has recorded nothing; to switch an existing consumer,
     /// start a versioned scope (`name@2`).
