@@ -5,6 +5,7 @@
 //! cargo run --release --example retention_bench            # full sizes (a few minutes)
 //! cargo run --release --example retention_bench -- --small # a tenth of the sizes
 //! cargo run --release --example retention_bench -- --dir /path/on/the/target/disk
+//! cargo run --release --example retention_bench -- --only latency --idle 9 --batch 64
 //! ```
 //!
 //! The fills use `synchronous=NORMAL` and large group-commit batches to keep them quick; they measure space,
@@ -48,7 +49,20 @@ fn main() -> anyhow::Result<()> {
         )?;
     }
     if only.is_none_or(|o| o == "latency") {
-        latency(&dir.path().join("latency.db"), 1_000_000 / div, &mut rows)?;
+        // --idle N: the pruner rests N times as long as each step took (default: Pruning::default()).
+        let mut pruning = Pruning::default();
+        if let Some(i) = args.iter().position(|a| a == "--idle") {
+            pruning = pruning.idle(args[i + 1].parse()?);
+        }
+        if let Some(i) = args.iter().position(|a| a == "--batch") {
+            pruning = pruning.batch(args[i + 1].parse()?);
+        }
+        latency(
+            &dir.path().join("latency.db"),
+            1_000_000 / div,
+            pruning,
+            &mut rows,
+        )?;
     }
     println!();
     println!("| measure | value | target |");
@@ -138,7 +152,8 @@ fn identities(
         &Pruning::default()
             .batch(5_000)
             .vacuum_pages(4_096)
-            .pause(Duration::ZERO),
+            .pause(Duration::ZERO)
+            .idle(0),
     )?;
     eprintln!("  pruned in {:.1?}: {report:?}", started.elapsed());
     let after = on_disk(path);
@@ -263,7 +278,12 @@ fn consume(
     Ok(lat)
 }
 
-fn latency(path: &Path, n: usize, rows: &mut Vec<(String, String, String)>) -> anyhow::Result<()> {
+fn latency(
+    path: &Path,
+    n: usize,
+    pruning: Pruning,
+    rows: &mut Vec<(String, String, String)>,
+) -> anyhow::Result<()> {
     eprintln!("latency: preparing {n} old processed messages ...");
     {
         let mut inbox = Inbox::open(path, fill_config())?;
@@ -316,7 +336,7 @@ fn latency(path: &Path, n: usize, rows: &mut Vec<(String, String, String)>) -> a
                 // Default settings: prune_step itself skips the per-step fsync (a lost step is simply redone).
                 let mut inbox = Inbox::open(&path, Config::default())?;
                 let t = Instant::now();
-                let total = inbox.prune(&Pruning::default())?;
+                let total = inbox.prune(&pruning)?;
                 stop.store(true, Ordering::SeqCst);
                 Ok((total, t.elapsed()))
             },

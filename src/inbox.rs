@@ -449,7 +449,8 @@ pub(crate) fn claim_identity(
     if let (Some(first), Some(producer), Some(seq)) =
         (rules.watermark_first(), d.producer, d.sequence)
     {
-        if seq >= first {
+        // Outside the watermark's range (below `first`, above i64::MAX), identity rows apply as usual.
+        if seq >= first && seq <= i64::MAX as u64 {
             return crate::watermark::claim(conn, scope_id, producer, seq, first as i64);
         }
     }

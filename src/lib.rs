@@ -336,7 +336,7 @@
 //!
 //! - **payloads**: stored messages in state *processed* and, separately, *dead-lettered* are deleted after their
 //!   own age. Pending and failed messages are never deleted. The compact identity row stays (interned scope,
-//!   16-byte hash, fingerprint, commit day: about 40 bytes on disk each, measured by
+//!   16-byte hash, fingerprint, commit day: 39.3 bytes on disk each for a million identities, measured by
 //!   `examples/retention_bench.rs`), so every redelivery is still a [`Outcome::Duplicate`];
 //! - **identity horizon** (default: forever): when the operator sets one, identities older than it are deleted,
 //!   counted (`identities_pruned`) and logged. An identity whose stored message still exists (pending, failed,
@@ -350,7 +350,7 @@
 //! - **sequence watermarks** ([`RetentionPolicy::sequence_watermarks`], opt-in per new scope): when producers
 //!   number their messages, contiguous processed ranges collapse into one high-water mark per producer plus the
 //!   few sequences that arrived out of order, so deduplication stays exact for ever in O(producers) space
-//!   (10 million messages from 100 producers fit in well under 1 MiB). No fingerprint is kept per sequence:
+//!   (10 million messages from 100 producers: an 84 KiB file). No fingerprint is kept per sequence:
 //!   a sequence reused with different content is a duplicate there, not a conflict.
 //!
 //! [`Inbox::prune_step`] does one bounded step (a window of rows, some free pages, or a WAL checkpoint) in its
