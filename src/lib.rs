@@ -294,6 +294,7 @@ mod error;
 mod extract;
 mod identity;
 mod inbox;
+pub mod inspect;
 #[cfg(feature = "mqtt")]
 mod mqtt_conn;
 mod outcome;
@@ -313,6 +314,7 @@ pub use crate::error::{Error, InvalidDelivery, Result};
 pub use crate::extract::{Envelope, ExtractIdentity, Identity, Incoming, UserProperty};
 pub use crate::identity::{Delivery, Fingerprint, IdHash};
 pub use crate::inbox::{Handler, Inbox};
+pub use crate::inspect::{FileSizes, ScopeReport};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt_conn::{MqttConfig, Protocol, Tls};
 pub use crate::outcome::{MessageState, Outcome, Status};
