@@ -31,6 +31,8 @@ struct Hot {
 pub(crate) struct Db {
     hot: ManuallyDrop<Hot>,
     conn: Box<Connection>,
+    /// The WAL file's path, to notice when it is deleted underneath the open connection.
+    wal: Option<std::path::PathBuf>,
 }
 
 // SAFETY: `Connection` is `Send`. The statements only borrow the connection owned by this same value, so
@@ -54,6 +56,10 @@ impl Deref for Db {
 impl Db {
     /// Takes an opened connection with the current schema and prepares the hot statements on it.
     pub(crate) fn new(conn: Connection) -> rusqlite::Result<Db> {
+        let wal = conn
+            .path()
+            .filter(|p| !p.is_empty())
+            .map(|p| std::path::PathBuf::from(format!("{p}-wal")));
         let conn = Box::new(conn);
         // SAFETY: the box's heap address is stable for as long as `Db` owns it, and `Drop` releases every
         // statement before the connection; no `'static` statement is ever handed out.
@@ -87,11 +93,21 @@ impl Db {
         Ok(Db {
             hot: ManuallyDrop::new(hot),
             conn,
+            wal,
         })
     }
 
     pub(crate) fn begin_immediate(&self) -> rusqlite::Result<()> {
         self.hot.begin.borrow_mut().execute([]).map(drop)
+    }
+
+    /// True when the WAL file is gone from its path while this connection has it open (someone deleted it).
+    /// Frames committed since then live only in the unlinked file and vanish if the process dies. One `stat`,
+    /// no allocation for ordinary path lengths: negligible beside the commit's fsync.
+    pub(crate) fn wal_unlinked(&self) -> bool {
+        self.wal
+            .as_deref()
+            .is_some_and(|p| std::fs::symlink_metadata(p).is_err())
     }
 
     pub(crate) fn commit_raw(&self) -> rusqlite::Result<()> {
