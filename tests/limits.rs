@@ -1,13 +1,10 @@
 //! Every input limit is enforced with a clear error before anything is written: through `process`,
 //! `process_batch`, `receive` and `dead_letter`, and through the MQTT consumer (quarantined with the reason).
 
+#[cfg(feature = "mqtt")]
 mod broker;
 
-use std::time::Duration;
-
-use edge_inbox::{
-    Config, Delivery, Error, Inbox, InvalidDelivery, Limits, MqttConfig, Outcome, Tx,
-};
+use edge_inbox::{Config, Delivery, Error, Inbox, InvalidDelivery, Limits, Outcome, Tx};
 
 const SCOPE: &str = "limits";
 
@@ -132,15 +129,18 @@ fn each_limit_is_enforced_on_every_write_path_before_anything_is_written() {
     ));
 }
 
+#[cfg(feature = "mqtt")]
 #[test]
 fn the_mqtt_path_quarantines_each_over_limit_delivery_with_its_reason_and_processes_the_rest() {
+    use std::time::Duration;
     let broker = broker::Broker::start();
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inbox.db");
     let config = Config::default().limits(limits());
     let consumer = |idle: Duration| {
         let inbox = Inbox::open(&db, config.clone()).unwrap();
-        let mqtt = MqttConfig::new("127.0.0.1", broker.port, "limits-consumer").subscribe("#");
+        let mqtt =
+            edge_inbox::MqttConfig::new("127.0.0.1", broker.port, "limits-consumer").subscribe("#");
         edge_inbox::Consumer::new(inbox, SCOPE, mqtt)
             .batch(16, Duration::from_millis(5))
             .exit_when_idle(idle)
