@@ -67,6 +67,7 @@ pub struct Config {
     pub(crate) limits: Limits,
     pub(crate) journal_size_limit: i64,
     pub(crate) vfs: Option<String>,
+    pub(crate) slow_commit: Option<Duration>,
 }
 
 impl Default for Config {
@@ -77,6 +78,7 @@ impl Default for Config {
             limits: Limits::default(),
             journal_size_limit: 64 << 20,
             vfs: None,
+            slow_commit: Some(Duration::from_secs(1)),
         }
     }
 }
@@ -112,6 +114,14 @@ impl Config {
     /// fault injection). Default: the platform's own.
     pub fn vfs(mut self, name: impl Into<String>) -> Self {
         self.vfs = Some(name.into());
+        self
+    }
+
+    /// Log a warning (`log` crate, target `edge_inbox::inbox`) for every `COMMIT` that takes at least this long:
+    /// a sign of a slow or failing flash device, or of a checkpoint competing for the disk. `None` turns it off.
+    /// Default 1 s. Costs one clock read per commit.
+    pub fn slow_commit_warning(mut self, threshold: Option<Duration>) -> Self {
+        self.slow_commit = threshold;
         self
     }
 

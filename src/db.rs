@@ -33,6 +33,8 @@ pub(crate) struct Db {
     conn: Box<Connection>,
     /// The WAL file's path, to notice when it is deleted underneath the open connection.
     wal: Option<std::path::PathBuf>,
+    /// Commits at least this slow are logged.
+    pub(crate) slow_commit: Option<std::time::Duration>,
 }
 
 // SAFETY: `Connection` is `Send`. The statements only borrow the connection owned by this same value, so
@@ -94,6 +96,7 @@ impl Db {
             hot: ManuallyDrop::new(hot),
             conn,
             wal,
+            slow_commit: None,
         })
     }
 

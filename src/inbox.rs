@@ -68,7 +68,8 @@ impl Inbox {
     /// written.
     pub fn open(path: impl AsRef<Path>, config: Config) -> Result<Inbox> {
         let path = path.as_ref();
-        let conn = Db::new(schema::open(path, &config)?)?;
+        let mut conn = Db::new(schema::open(path, &config)?)?;
+        conn.slow_commit = config.slow_commit;
         Ok(Inbox {
             conn,
             config,
@@ -297,11 +298,18 @@ pub(crate) fn begin(conn: &Db) -> Result<()> {
 }
 
 pub(crate) fn commit(conn: &Db) -> Result<()> {
+    let started = conn.slow_commit.map(|_| std::time::Instant::now());
     conn.commit_raw().map_err(|e| {
         let code = extended_code(&e).unwrap_or(-1);
         log::warn!("COMMIT failed with SQLite code {code}: outcome unknown until the identity is looked up");
         Error::CommitUnknown { code, source: e }
     })?;
+    if let (Some(started), Some(threshold)) = (started, conn.slow_commit) {
+        let took = started.elapsed();
+        if took >= threshold {
+            log::warn!("slow commit: COMMIT took {took:?} (warning threshold {threshold:?})");
+        }
+    }
     if conn.wal_unlinked() {
         return rescue_unlinked_wal(conn);
     }
