@@ -360,11 +360,20 @@ fn main() -> anyhow::Result<()> {
         tail.iter().max().unwrap_or(&0),
         rss.len()
     );
+    // SAFETY: plain reads of SQLite's global memory statistics.
+    let (sqlite_now, sqlite_peak) = unsafe {
+        (
+            edge_inbox::rusqlite::ffi::sqlite3_memory_used(),
+            edge_inbox::rusqlite::ffi::sqlite3_memory_highwater(0),
+        )
+    };
     println!(
-        "RSS now: anon {} KiB, file {} KiB, shmem {} KiB",
+        "RSS now: anon {} KiB, file {} KiB, shmem {} KiB; SQLite heap {} KiB (peak {} KiB)",
         status_kib(None, "RssAnon:"),
         status_kib(None, "RssFile:"),
-        status_kib(None, "RssShmem:")
+        status_kib(None, "RssShmem:"),
+        sqlite_now / 1024,
+        sqlite_peak / 1024
     );
     println!(
         "identities retained {}; database {} bytes, WAL {} bytes; prune passes {}",
