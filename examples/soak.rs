@@ -5,6 +5,7 @@
 //! ```text
 //! cargo run --release --example soak -- --minutes 10                 # a million deliveries, at most 10 min
 //! cargo run --release --example soak -- --count 200000 --minutes 3   # a shorter run
+//! cargo run --release --example soak -- --rate 6000                  # paced: steady state, no broker backlog
 //! ```
 //!
 //! Not part of `cargo test`: it runs for minutes. Exit status 0 only when every distinct message had exactly
@@ -29,6 +30,8 @@ const WINDOW: u16 = 200;
 struct Args {
     count: u64,
     minutes: u64,
+    /// Publish at most this many deliveries per second (0: as fast as the broker takes them).
+    rate: u64,
     /// Internal: run as the publisher process against this port.
     publish: Option<u16>,
 }
@@ -37,6 +40,7 @@ fn args() -> anyhow::Result<Args> {
     let mut a = Args {
         count: 1_000_000,
         minutes: 10,
+        rate: 0,
         publish: None,
     };
     let mut it = std::env::args().skip(1);
@@ -45,8 +49,11 @@ fn args() -> anyhow::Result<Args> {
         match k.as_str() {
             "--count" => a.count = v.parse()?,
             "--minutes" => a.minutes = v.parse()?,
+            "--rate" => a.rate = v.parse()?,
             "--publish" => a.publish = Some(v.parse()?),
-            other => bail!("unknown option {other} (use --count N, --minutes M)"),
+            other => {
+                bail!("unknown option {other} (use --count N, --minutes M, --rate PER_SECOND)")
+            }
         }
     }
     Ok(a)
@@ -146,13 +153,20 @@ fn effect(tx: &mut Tx<'_>, _d: &Delivery<'_>) -> anyhow::Result<()> {
 
 /// The publisher process: QoS1 publishes with the application id as an MQTT 5 user property; prints the number
 /// of PUBACKs received so far, one number per line.
-fn publish(port: u16, total: u64) -> anyhow::Result<()> {
+fn publish(port: u16, total: u64, rate: u64) -> anyhow::Result<()> {
     let mut o = MqttOptions::new("soak-publisher", "127.0.0.1", port);
     o.set_keep_alive(Duration::from_secs(30));
     o.set_outgoing_inflight_upper_limit(WINDOW);
     let (client, mut connection) = Client::new(o, 1024);
     let sender = std::thread::spawn(move || {
-        for (id, _) in plan(total) {
+        let started = Instant::now();
+        for (k, (id, _)) in plan(total).enumerate() {
+            if rate > 0 && k % 100 == 0 {
+                let due = Duration::from_secs_f64(k as f64 / rate as f64);
+                if let Some(wait) = due.checked_sub(started.elapsed()) {
+                    std::thread::sleep(wait);
+                }
+            }
             let mut props = PublishProperties::default();
             props
                 .user_properties
@@ -192,7 +206,7 @@ fn publish(port: u16, total: u64) -> anyhow::Result<()> {
 fn main() -> anyhow::Result<()> {
     let args = args()?;
     if let Some(port) = args.publish {
-        return publish(port, args.count);
+        return publish(port, args.count, args.rate);
     }
     let deadline = Instant::now() + Duration::from_secs(args.minutes * 60);
     let repeats = plan(args.count).filter(|(_, r)| *r).count() as u64;
@@ -236,10 +250,18 @@ fn main() -> anyhow::Result<()> {
         let (db, done, passes) = (db.clone(), done.clone(), passes.clone());
         std::thread::spawn(move || -> anyhow::Result<()> {
             let mut inbox = Inbox::open(&db, Config::default())?;
+            let opts = Pruning::default().batch(512);
+            // Step by step (as Inbox::prune does, resting between steps) so the run can end mid-pass.
             while !done.load(Ordering::Relaxed) {
-                inbox.prune(&Pruning::default().batch(512))?;
-                passes.fetch_add(1, Ordering::Relaxed);
-                std::thread::sleep(Duration::from_secs(1));
+                let started = Instant::now();
+                match inbox.prune_step(&opts) {
+                    Ok(step) if step.done => {
+                        passes.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(_) | Err(edge_inbox::Error::Busy { .. }) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                std::thread::sleep(Duration::from_millis(10).max(started.elapsed() * 4));
             }
             Ok(())
         })
@@ -253,6 +275,8 @@ fn main() -> anyhow::Result<()> {
             &port.to_string(),
             "--count",
             &args.count.to_string(),
+            "--rate",
+            &args.rate.to_string(),
         ])
         .stdout(Stdio::piped())
         .spawn()
