@@ -68,6 +68,7 @@ pub struct Config {
     pub(crate) journal_size_limit: i64,
     pub(crate) vfs: Option<String>,
     pub(crate) outbox_producer: Option<String>,
+    pub(crate) slow_commit: Option<Duration>,
 }
 
 impl Default for Config {
@@ -79,6 +80,7 @@ impl Default for Config {
             journal_size_limit: 64 << 20,
             vfs: None,
             outbox_producer: None,
+            slow_commit: Some(Duration::from_secs(1)),
         }
     }
 }
@@ -130,6 +132,14 @@ impl Config {
     /// The configured outbox producer namespace, if set.
     pub fn get_outbox_producer(&self) -> Option<&str> {
         self.outbox_producer.as_deref()
+    }
+
+    /// Log a warning (`log` crate, target `edge_inbox::inbox`) for every `COMMIT` that takes at least this long:
+    /// a sign of a slow or failing flash device, or of a checkpoint competing for the disk. `None` turns it off.
+    /// Default 1 s. Costs one clock read per commit.
+    pub fn slow_commit_warning(mut self, threshold: Option<Duration>) -> Self {
+        self.slow_commit = threshold;
+        self
     }
 
     /// The configured durability.

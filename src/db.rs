@@ -46,6 +46,10 @@ pub(crate) struct Db {
     relaxed: Cell<bool>,
     /// What outbox writes on this connection need from the inbox configuration.
     pub(crate) outbox: crate::outbox::OutboxSettings,
+    /// The WAL file's path, to notice when it is deleted underneath the open connection.
+    wal: Option<std::path::PathBuf>,
+    /// Commits at least this slow are logged.
+    pub(crate) slow_commit: Option<std::time::Duration>,
 }
 
 // SAFETY: `Connection` is `Send`. The statements only borrow the connection owned by this same value, so
@@ -75,6 +79,10 @@ impl Db {
     /// Takes an opened connection with the current schema, at `synchronous` level `durable`, and prepares
     /// the hot statements on it.
     pub(crate) fn new(conn: Connection, durable: i64) -> rusqlite::Result<Db> {
+        let wal = conn
+            .path()
+            .filter(|p| !p.is_empty())
+            .map(|p| std::path::PathBuf::from(format!("{p}-wal")));
         let conn = NonNull::from(Box::leak(Box::new(conn)));
         // SAFETY: the allocation lives until `Drop`, which releases every statement first; no `'static`
         // statement or reference is ever handed out of this module.
@@ -88,6 +96,8 @@ impl Db {
                 current: Cell::new(durable),
                 relaxed: Cell::new(false),
                 outbox: Default::default(),
+                wal,
+                slow_commit: None,
             }),
             Err(e) => {
                 // SAFETY: no statement borrows the connection any more (`prepare` failed and dropped them).
@@ -182,6 +192,15 @@ fn savepoint_salt(c: &Connection) -> u64 {
 impl Db {
     pub(crate) fn begin_immediate(&self) -> rusqlite::Result<()> {
         self.hot.begin.borrow_mut().execute([]).map(drop)
+    }
+
+    /// True when the WAL file is gone from its path while this connection has it open (someone deleted it).
+    /// Frames committed since then live only in the unlinked file and vanish if the process dies. One `stat`,
+    /// no allocation for ordinary path lengths: negligible beside the commit's fsync.
+    pub(crate) fn wal_unlinked(&self) -> bool {
+        self.wal
+            .as_deref()
+            .is_some_and(|p| std::fs::symlink_metadata(p).is_err())
     }
 
     pub(crate) fn commit_raw(&self) -> rusqlite::Result<()> {

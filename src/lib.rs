@@ -379,6 +379,23 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## Operating an inbox
+//!
+//! Everything an operator asks about a file is answered by [`inspect`]: read-only functions over any
+//! connection (an open inbox's, or [`open_read_only`] on a file another process is using) that return plain,
+//! serializable structs. [`Inbox::stats`] gives, per scope, the durable counters, the deferred backlog, the dead
+//! letters held and the identities retained ([`ScopeReport`]); [`Inbox::file_sizes`] the bytes of the database
+//! and its WAL. The `inboxctl` binary (feature `cli`, on by default) is a thin shell over these functions:
+//! `stats`, `show`, `conflicts`, `quarantine`, `dead-letters`, `requeue`, `prune` (a dry run unless `--apply`),
+//! `check` (`PRAGMA integrity_check` and the settings) and `export` (JSON lines or CBOR).
+//!
+//! What the inbox does when the disk misbehaves, each case tested on real files and processes: a full disk is
+//! [`Error::DiskFull`] and a read-only file [`Error::ReadOnly`] or [`Error::Open`], with nothing written; a lock
+//! held by another process is [`Error::Busy`], never a duplicate; a file that is not a database is
+//! [`Error::NotADatabase`] and a damaged page a [`Error::Storage`] with `SQLITE_CORRUPT` (and a failing `check`).
+//! If the WAL file is deleted while an inbox has it open, the next commit notices, copies everything into the
+//! database file before reporting success, and logs an error asking for a reopen.
+//!
 //! ## Replay and rebuilds
 //!
 //! Replaying a scope's history (a broker's retained messages, an archive) into the **same** scope respects its
@@ -402,6 +419,7 @@ mod error;
 mod extract;
 mod identity;
 mod inbox;
+pub mod inspect;
 #[cfg(feature = "mqtt")]
 mod mqtt_conn;
 mod outbox;
@@ -424,6 +442,7 @@ pub use crate::error::{Error, InvalidDelivery, Result};
 pub use crate::extract::{Envelope, ExtractIdentity, Identity, Incoming, UserProperty};
 pub use crate::identity::{Delivery, Fingerprint, IdHash};
 pub use crate::inbox::{Handler, Inbox};
+pub use crate::inspect::{FileSizes, ScopeReport};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt_conn::{MqttConfig, Protocol, Tls};
 pub use crate::outbox::{outbox_message_id, OutboxBacklog, OutboxProperties, Qos};

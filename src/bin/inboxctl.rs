@@ -1,0 +1,646 @@
+//! `inboxctl`: look at and repair an edge-inbox database from a shell.
+//!
+//! Exit codes: 0 success; 1 operational error (the file cannot be opened or read, a check found problems, a
+//! requested row does not exist, the database stayed busy); 2 usage error (bad arguments, from clap).
+//!
+//! Read-only commands open the file read-only; only `requeue` and `prune --apply` write.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand, ValueEnum};
+use edge_inbox::inspect::{self, ExportRow, FileSizes, Table};
+use edge_inbox::rusqlite::Connection;
+use edge_inbox::{open_read_only, Config, Error, Inbox, Pruning};
+use serde::Serialize;
+
+/// Inspect and operate an edge-inbox database (see `inboxctl <command> --help`).
+///
+/// Exit codes: 0 ok, 1 operational error (cannot open, check failed, not found, busy), 2 usage error.
+#[derive(Parser, Debug)]
+#[command(name = "inboxctl", version, about, long_about = None)]
+struct Cli {
+    /// Path of the inbox database file.
+    #[arg(short, long, env = "EDGE_INBOX_DB", global = true)]
+    db: Option<PathBuf>,
+    /// Print JSON: one document, or one JSON object per line for listings.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Per-scope counters, backlog, dead letters, identities retained, and file sizes.
+    Stats {
+        /// Only this scope.
+        #[arg(long)]
+        scope: Option<String>,
+    },
+    /// One identity (scope + optional producer + message id) or one stored message (by seq).
+    Show {
+        #[command(subcommand)]
+        what: Show,
+    },
+    /// Recorded conflicts (same id, different content), oldest first.
+    Conflicts(List),
+    /// Quarantined deliveries (no id, malformed, over a limit, expired), oldest first.
+    Quarantine(List),
+    /// Dead letters, oldest first.
+    DeadLetters(List),
+    /// Put dead letters back to pending (attempts reset) for the deferred worker. Writes.
+    Requeue {
+        /// One dead letter by its seq.
+        #[arg(long, conflicts_with = "scope", required_unless_present = "scope")]
+        seq: Option<i64>,
+        /// Every dead letter of this scope.
+        #[arg(long)]
+        scope: Option<String>,
+    },
+    /// What retention would prune now (dry run); with --apply, prune it. Uses the stored retention policies.
+    Prune {
+        /// Actually prune (short write transactions; consumers on the file keep running).
+        #[arg(long)]
+        apply: bool,
+        /// Judge ages as of this Unix time (seconds) instead of now.
+        #[arg(long)]
+        as_of: Option<i64>,
+    },
+    /// PRAGMA integrity_check, schema version and file settings. Exit code 1 when a problem is found.
+    Check {
+        /// Report at most this many problems.
+        #[arg(long, default_value_t = 100)]
+        max_problems: usize,
+    },
+    /// Write a table as JSON lines or as a CBOR sequence.
+    Export {
+        /// Which table.
+        #[arg(long, value_enum)]
+        table: ExportTable,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Jsonl)]
+        format: Format,
+        /// Output file (default: standard output).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum Show {
+    /// An identity: status, hash, fingerprint, stored message, conflicts.
+    Id {
+        /// Consumer scope.
+        #[arg(long)]
+        scope: String,
+        /// Producer namespace, if the id is only unique per producer.
+        #[arg(long)]
+        producer: Option<String>,
+        /// Application message id.
+        id: String,
+    },
+    /// A stored message by its seq.
+    Seq {
+        /// Row id of the message.
+        seq: i64,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+struct List {
+    /// Only this scope.
+    #[arg(long)]
+    scope: Option<String>,
+    /// At most this many rows.
+    #[arg(long, default_value_t = 100)]
+    limit: usize,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum ExportTable {
+    Identities,
+    Messages,
+    Conflicts,
+    Quarantine,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    /// One JSON object per line; byte strings as hex.
+    Jsonl,
+    /// A sequence of CBOR maps; byte strings as CBOR byte strings.
+    Cbor,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse(); // exits with 2 on a usage error
+    env_logger_free_init();
+    match run(&cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("inboxctl: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Library warnings go to stderr without pulling in a logger crate.
+fn env_logger_free_init() {
+    struct Stderr;
+    impl log::Log for Stderr {
+        fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+            m.level() <= log::Level::Warn
+        }
+        fn log(&self, r: &log::Record<'_>) {
+            if self.enabled(r.metadata()) {
+                eprintln!("{}: {}", r.level(), r.args());
+            }
+        }
+        fn flush(&self) {}
+    }
+    static LOGGER: Stderr = Stderr;
+    if log::set_logger(&LOGGER).is_ok() {
+        log::set_max_level(log::LevelFilter::Warn);
+    }
+}
+
+fn db(cli: &Cli) -> anyhow::Result<&Path> {
+    match &cli.db {
+        Some(p) => Ok(p),
+        None => bail!("no database given: use --db PATH or set EDGE_INBOX_DB"),
+    }
+}
+
+fn read_only(path: &Path) -> anyhow::Result<Connection> {
+    open_read_only(path).with_context(|| format!("opening {} read-only", path.display()))
+}
+
+/// Opens for writing, refusing to create a file that is not there (a typo must not make an empty inbox).
+fn writable(path: &Path) -> anyhow::Result<Inbox> {
+    if !path.exists() {
+        bail!("{} does not exist", path.display());
+    }
+    Inbox::open(path, Config::default()).with_context(|| format!("opening {}", path.display()))
+}
+
+fn print_json<T: Serialize>(v: &T) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string(v)?);
+    Ok(())
+}
+
+fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
+    let path = db(cli)?;
+    match &cli.command {
+        Command::Stats { scope } => stats(cli, path, scope.as_deref()),
+        Command::Show { what } => show(cli, path, what),
+        Command::Conflicts(l) => {
+            let rows = inspect::conflicts(&read_only(path)?, l.scope.as_deref(), l.limit)?;
+            listing(cli, &rows, |c| {
+                format!(
+                    "#{} {} {}{} topic {:?}: committed {} received {} at {}",
+                    c.id,
+                    c.scope,
+                    c.producer
+                        .as_deref()
+                        .map(|p| format!("{p}/"))
+                        .unwrap_or_default(),
+                    c.message_id,
+                    c.topic,
+                    c.stored_fingerprint,
+                    c.received_fingerprint,
+                    c.at
+                )
+            })
+        }
+        Command::Quarantine(l) => {
+            let rows = inspect::quarantine(&read_only(path)?, l.scope.as_deref(), l.limit)?;
+            listing(cli, &rows, |q| {
+                format!(
+                    "#{} {} topic {:?} ({} bytes) at {}: {}",
+                    q.id,
+                    q.scope.as_deref().unwrap_or("-"),
+                    q.topic,
+                    q.payload_bytes,
+                    q.at,
+                    q.reason
+                )
+            })
+        }
+        Command::DeadLetters(l) => {
+            let rows = inspect::dead_letters(&read_only(path)?, l.scope.as_deref(), l.limit)?;
+            listing(cli, &rows, |m| {
+                format!(
+                    "seq {} {} {}{} topic {:?} attempts {} ({}): {}",
+                    m.seq,
+                    m.scope,
+                    m.producer
+                        .as_deref()
+                        .map(|p| format!("{p}/"))
+                        .unwrap_or_default(),
+                    m.message_id,
+                    m.topic,
+                    m.attempts,
+                    m.body_bytes
+                        .map_or("body pruned".to_owned(), |b| format!("{b} bytes")),
+                    m.last_error.as_deref().unwrap_or("")
+                )
+            })
+        }
+        Command::Requeue { seq, scope } => requeue(cli, path, *seq, scope.as_deref()),
+        Command::Prune { apply, as_of } => prune(cli, path, *apply, *as_of),
+        Command::Check { max_problems } => check(cli, path, *max_problems),
+        Command::Export {
+            table,
+            format,
+            output,
+        } => export(path, *table, *format, output.as_deref()),
+    }
+}
+
+fn listing<T: Serialize>(
+    cli: &Cli,
+    rows: &[T],
+    line: impl Fn(&T) -> String,
+) -> anyhow::Result<ExitCode> {
+    let mut out = std::io::stdout().lock();
+    for r in rows {
+        if cli.json {
+            writeln!(out, "{}", serde_json::to_string(r)?)?;
+        } else {
+            writeln!(out, "{}", line(r))?;
+        }
+    }
+    if !cli.json && rows.is_empty() {
+        writeln!(out, "(none)")?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Serialize)]
+struct StatsDoc {
+    path: String,
+    files: FileSizes,
+    scopes: Vec<inspect::ScopeReport>,
+}
+
+fn stats(cli: &Cli, path: &Path, scope: Option<&str>) -> anyhow::Result<ExitCode> {
+    let conn = read_only(path)?;
+    let doc = StatsDoc {
+        path: path.display().to_string(),
+        scopes: inspect::stats(&conn, scope)?,
+        files: FileSizes::of(path),
+    };
+    if cli.json {
+        print_json(&doc)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{}: database {} bytes, WAL {} bytes",
+        doc.path, doc.files.db_bytes, doc.files.wal_bytes
+    );
+    for s in &doc.scopes {
+        println!("scope {}", s.scope);
+        println!(
+            "  processed {}  duplicates {}  conflicts {}  handler failures {}  quarantined {}  expired {}",
+            s.processed, s.duplicates, s.conflicts, s.handler_failures, s.quarantined, s.expired
+        );
+        println!(
+            "  pending {}  failed {}  in flight {}  oldest pending {}  dead letters {} (ever {})",
+            s.pending,
+            s.failed,
+            s.in_flight,
+            s.oldest_pending_age_secs
+                .map_or("-".to_owned(), |a| format!("{a}s")),
+            s.dead_letters,
+            s.dead_lettered
+        );
+        println!(
+            "  identities retained {}  watermark producers {}  messages stored {}  pruned: {} identities, {} payloads",
+            s.identities_retained,
+            s.watermark_producers,
+            s.messages_stored,
+            s.identities_pruned,
+            s.payloads_pruned
+        );
+    }
+    if doc.scopes.is_empty() {
+        println!("(no scopes)");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn show(cli: &Cli, path: &Path, what: &Show) -> anyhow::Result<ExitCode> {
+    let conn = read_only(path)?;
+    match what {
+        Show::Id {
+            scope,
+            producer,
+            id,
+        } => {
+            let rep = inspect::identity(&conn, scope, producer.as_deref(), id)?;
+            if cli.json {
+                print_json(&rep)?;
+            } else {
+                println!(
+                    "{} {}{}: {} (hash {})",
+                    rep.scope,
+                    rep.producer
+                        .as_deref()
+                        .map(|p| format!("{p}/"))
+                        .unwrap_or_default(),
+                    rep.message_id,
+                    rep.status,
+                    rep.id_hash
+                );
+                if let (Some(fp), Some(day)) = (&rep.fingerprint, rep.committed_day) {
+                    println!("  fingerprint {fp}, committed on day starting {day}");
+                }
+                match &rep.message {
+                    Some(m) => print_message(m),
+                    None => println!("  no stored message"),
+                }
+                if rep.conflicts > 0 {
+                    println!("  {} conflict(s) recorded", rep.conflicts);
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Show::Seq { seq } => {
+            let Some(m) = inspect::message(&conn, *seq)? else {
+                bail!("no stored message with seq {seq}");
+            };
+            if cli.json {
+                print_json(&m)?;
+            } else {
+                print_message(&m);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn print_message(m: &inspect::MessageReport) {
+    println!(
+        "  message seq {} in {}: {} topic {:?}, {}, attempts {}, claims {}",
+        m.seq,
+        m.scope,
+        m.state,
+        m.topic,
+        m.body_bytes
+            .map_or("body pruned".to_owned(), |b| format!("body {b} bytes")),
+        m.attempts,
+        m.claims
+    );
+    if let Some(e) = &m.last_error {
+        println!("  last error: {e}");
+    }
+}
+
+#[derive(Serialize)]
+struct RequeueDoc {
+    requeued: usize,
+}
+
+fn requeue(
+    cli: &Cli,
+    path: &Path,
+    seq: Option<i64>,
+    scope: Option<&str>,
+) -> anyhow::Result<ExitCode> {
+    let mut inbox = writable(path)?;
+    let n = match (seq, scope) {
+        (Some(seq), _) => {
+            if !inbox.requeue_dead_letter(seq)? {
+                bail!("seq {seq} is not a dead letter with a body");
+            }
+            1
+        }
+        (None, Some(scope)) => inbox.requeue_dead_letters(scope)?,
+        (None, None) => unreachable!("clap requires --seq or --scope"),
+    };
+    if cli.json {
+        print_json(&RequeueDoc { requeued: n })?;
+    } else {
+        println!("requeued {n} dead letter(s)");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Serialize)]
+struct PruneDoc {
+    applied: bool,
+    as_of: i64,
+    due: Vec<inspect::PrunePreview>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pruned: Option<Pruned>,
+}
+
+#[derive(Serialize)]
+struct Pruned {
+    payloads: u64,
+    dead_letters: u64,
+    identities: u64,
+    pages_reclaimed: u64,
+    steps: u64,
+}
+
+fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Result<ExitCode> {
+    let now = as_of.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64)
+    });
+    let due = inspect::prune_preview(&read_only(path)?, now)?;
+    let mut doc = PruneDoc {
+        applied: apply,
+        as_of: now,
+        due,
+        pruned: None,
+    };
+    if apply {
+        let mut inbox = writable(path)?;
+        let opts = Pruning::default().as_of(now);
+        let mut progress = Progress::new("pruning", None);
+        let mut total = Pruned {
+            payloads: 0,
+            dead_letters: 0,
+            identities: 0,
+            pages_reclaimed: 0,
+            steps: 0,
+        };
+        let mut busy = 0;
+        loop {
+            let step = match inbox.prune_step(&opts) {
+                // A consumer holds the write lock: give it the file and try again, bounded.
+                Err(Error::Busy { .. }) if busy < 100 => {
+                    busy += 1;
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                }
+                other => other?,
+            };
+            busy = 0;
+            total.payloads += step.payloads_pruned;
+            total.dead_letters += step.dead_letters_pruned;
+            total.identities += step.identities_pruned;
+            total.pages_reclaimed += step.pages_reclaimed;
+            total.steps += step.steps;
+            progress.set(total.payloads + total.dead_letters + total.identities);
+            if step.done {
+                break;
+            }
+        }
+        progress.finish();
+        doc.pruned = Some(total);
+    }
+    if cli.json {
+        print_json(&doc)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    for d in &doc.due {
+        println!(
+            "scope {}: {} processed payloads, {} dead letters, {} identities due",
+            d.scope, d.payloads_due, d.dead_letters_due, d.identities_due
+        );
+    }
+    if doc.due.is_empty() {
+        println!("no scope has a retention policy: nothing is ever pruned");
+    }
+    match &doc.pruned {
+        Some(p) => println!(
+            "pruned {} payloads, {} dead letters, {} identities; {} pages reclaimed in {} steps",
+            p.payloads, p.dead_letters, p.identities, p.pages_reclaimed, p.steps
+        ),
+        None => println!("dry run: nothing deleted (use --apply to prune)"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Serialize)]
+struct CheckDoc {
+    #[serde(flatten)]
+    report: inspect::CheckReport,
+    files: FileSizes,
+}
+
+fn check(cli: &Cli, path: &Path, max_problems: usize) -> anyhow::Result<ExitCode> {
+    let conn = read_only(path)?;
+    let doc = CheckDoc {
+        report: inspect::check(&conn, max_problems)?,
+        files: FileSizes::of(path),
+    };
+    let r = &doc.report;
+    if cli.json {
+        print_json(&doc)?;
+    } else {
+        println!(
+            "integrity: {}",
+            if r.problems.is_empty() {
+                "ok"
+            } else {
+                "PROBLEMS"
+            }
+        );
+        for p in &r.problems {
+            println!("  {p}");
+        }
+        println!(
+            "schema version {} (this build supports {}); journal_mode {}; auto_vacuum {}; synchronous {} \
+             (this connection; each inbox sets its own)",
+            r.schema_version, r.supported_schema_version, r.journal_mode, r.auto_vacuum, r.synchronous
+        );
+        println!(
+            "page size {}; {} pages, {} free; database {} bytes, WAL {} bytes",
+            r.page_size, r.page_count, r.freelist_count, doc.files.db_bytes, doc.files.wal_bytes
+        );
+    }
+    Ok(if r.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn export(
+    path: &Path,
+    table: ExportTable,
+    format: Format,
+    output: Option<&Path>,
+) -> anyhow::Result<ExitCode> {
+    let conn = read_only(path)?;
+    let table = match table {
+        ExportTable::Identities => Table::Identities,
+        ExportTable::Messages => Table::Messages,
+        ExportTable::Conflicts => Table::Conflicts,
+        ExportTable::Quarantine => Table::Quarantine,
+    };
+    let mut out: Box<dyn Write> = match output {
+        Some(p) => Box::new(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
+    };
+    let mut progress = Progress::new("exporting", Some(inspect::count(&conn, table)?));
+    let mut done = 0;
+    let n = inspect::export(&conn, table, |row: ExportRow| -> anyhow::Result<()> {
+        match format {
+            Format::Jsonl => {
+                serde_json::to_writer(&mut out, &row)?;
+                out.write_all(b"\n")?;
+            }
+            Format::Cbor => ciborium::into_writer(&row, &mut out)?,
+        }
+        done += 1;
+        progress.set(done);
+        Ok(())
+    })?;
+    out.flush()?;
+    progress.finish();
+    if output.is_some() {
+        eprintln!("exported {n} row(s)");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A one-line progress counter on stderr, shown only when stderr is a terminal (never in pipes or logs).
+struct Progress {
+    label: &'static str,
+    total: Option<u64>,
+    on: bool,
+    last: Instant,
+    shown: bool,
+}
+
+impl Progress {
+    fn new(label: &'static str, total: Option<u64>) -> Progress {
+        Progress {
+            label,
+            total,
+            on: std::io::stderr().is_terminal(),
+            last: Instant::now(),
+            shown: false,
+        }
+    }
+
+    fn set(&mut self, done: u64) {
+        if !self.on || self.last.elapsed() < Duration::from_millis(200) {
+            return;
+        }
+        self.last = Instant::now();
+        self.shown = true;
+        match self.total {
+            Some(t) => eprint!("\r{}: {done}/{t}", self.label),
+            None => eprint!("\r{}: {done}", self.label),
+        }
+    }
+
+    fn finish(&mut self) {
+        if self.shown {
+            eprintln!();
+        }
+    }
+}

@@ -1,0 +1,786 @@
+//! Read-only views of an inbox for operators and tools: each function answers one question over any
+//! [`Connection`] (an open [`Inbox`]'s, or one from [`open_read_only`](crate::open_read_only)) and returns
+//! plain structs. Nothing here writes; `inboxctl` is a thin layer over these functions.
+//!
+//! The structs implement `serde::Serialize`, so a tool can print them as JSON or CBOR. Byte strings (payloads)
+//! serialize as hex text in human-readable formats (JSON) and as byte strings in binary ones (CBOR).
+
+use std::path::Path;
+
+use rusqlite::{Connection, OptionalExtension, Row};
+use serde::{Serialize, Serializer};
+
+use crate::deferred::unix_now_ms;
+use crate::error::{Error, Result};
+use crate::identity::{Fingerprint, IdHash};
+use crate::inbox::{status, Inbox};
+use crate::outcome::{MessageState, Status};
+use crate::schema::SCHEMA_VERSION;
+
+const DAY: i64 = 86_400;
+
+/// Everything an operator wants to know about one scope, read in one transaction: the durable counters
+/// ([`ScopeStats`](crate::ScopeStats)), the deferred backlog ([`Backlog`](crate::Backlog)) and what is retained.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct ScopeReport {
+    /// Scope name.
+    pub scope: String,
+    /// Deliveries whose effect was committed (durable counter).
+    pub processed: u64,
+    /// Redeliveries recognised as duplicates (durable counter).
+    pub duplicates: u64,
+    /// Same id, different content (durable counter; the records are in `conflicts`).
+    pub conflicts: u64,
+    /// Handler failures, each rolled back (durable counter).
+    pub handler_failures: u64,
+    /// Deliveries recorded in quarantine (durable counter).
+    pub quarantined: u64,
+    /// Messages ever moved to the dead letters (durable counter).
+    pub dead_lettered: u64,
+    /// Identities deleted by retention (durable counter).
+    pub identities_pruned: u64,
+    /// Stored messages deleted by retention (durable counter).
+    pub payloads_pruned: u64,
+    /// Deliveries older than the pruned identity horizon without an identity (durable counter).
+    pub expired: u64,
+    /// Stored messages waiting to be processed (state pending, including those in flight).
+    pub pending: u64,
+    /// Stored messages whose last attempt failed, waiting for a retry.
+    pub failed: u64,
+    /// Open messages under a live worker lease.
+    pub in_flight: u64,
+    /// Age in seconds of the oldest message not yet processed (pending or failed); `None` when there is none.
+    pub oldest_pending_age_secs: Option<u64>,
+    /// Dead letters held now (state dead-lettered).
+    pub dead_letters: u64,
+    /// Identity rows retained: the evidence against a repeated effect.
+    pub identities_retained: u64,
+    /// Producers with a sequence watermark (each covers any number of contiguous sequences).
+    pub watermark_producers: u64,
+    /// Stored message rows in any state.
+    pub messages_stored: u64,
+}
+
+/// Sizes of the database files on disk, in bytes (0 for a file that does not exist).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct FileSizes {
+    /// The main database file.
+    pub db_bytes: u64,
+    /// The write-ahead log (`-wal`).
+    pub wal_bytes: u64,
+    /// The shared-memory index (`-shm`).
+    pub shm_bytes: u64,
+}
+
+impl FileSizes {
+    /// Sizes of the database at `path` and of its `-wal` and `-shm` files.
+    pub fn of(path: &Path) -> FileSizes {
+        let size = |suffix: &str| {
+            let mut p = path.as_os_str().to_owned();
+            p.push(suffix);
+            std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
+        };
+        FileSizes {
+            db_bytes: size(""),
+            wal_bytes: size("-wal"),
+            shm_bytes: size("-shm"),
+        }
+    }
+
+    /// Database plus WAL: what the inbox occupies between checkpoints.
+    pub fn total(&self) -> u64 {
+        self.db_bytes + self.wal_bytes
+    }
+}
+
+/// One stored message (`messages` row), without its body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct MessageReport {
+    /// Row id (arrival order); what `requeue` takes.
+    pub seq: i64,
+    /// Scope name.
+    pub scope: String,
+    /// Producer namespace, if any.
+    pub producer: Option<String>,
+    /// Application message id.
+    pub message_id: String,
+    /// Topic it arrived on.
+    pub topic: String,
+    /// `pending`, `processed`, `failed` or `dead-lettered`.
+    pub state: &'static str,
+    /// Body size in bytes; `None` once retention pruned it.
+    pub body_bytes: Option<u64>,
+    /// Handler failures recorded.
+    pub attempts: u32,
+    /// Times a worker claimed it.
+    pub claims: u32,
+    /// Producer sequence number, if any.
+    pub sequence: Option<i64>,
+    /// Producer creation time (Unix seconds), if any.
+    pub sent_at: Option<i64>,
+    /// Order key, if any.
+    pub order_key: Option<String>,
+    /// Worker holding the lease, if any.
+    pub lease_owner: Option<String>,
+    /// Lease end, Unix milliseconds.
+    pub lease_until_ms: Option<i64>,
+    /// Text of the last handler error.
+    pub last_error: Option<String>,
+    /// When it was stored, Unix seconds.
+    pub received_at: i64,
+    /// When it was processed or dead-lettered, Unix seconds.
+    pub finished_at: Option<i64>,
+}
+
+/// What the inbox holds for one identity; see [`identity`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct IdentityReport {
+    /// Scope name.
+    pub scope: String,
+    /// Producer namespace asked for.
+    pub producer: Option<String>,
+    /// Message id asked for.
+    pub message_id: String,
+    /// The stored key: xxh3-128 of (producer, message id), hex.
+    pub id_hash: String,
+    /// `recorded` or `not-found` (never committed, pruned, or covered by a sequence watermark instead).
+    pub status: &'static str,
+    /// Fingerprint of the committed content, hex.
+    pub fingerprint: Option<String>,
+    /// Commit time rounded down to the UTC day, Unix seconds.
+    pub committed_day: Option<i64>,
+    /// The stored message, when one is kept.
+    pub message: Option<MessageReport>,
+    /// Conflicts recorded against this identity.
+    pub conflicts: u64,
+}
+
+/// A recorded conflict: an id that came back with different content.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct ConflictReport {
+    /// Row id.
+    pub id: i64,
+    /// Scope name.
+    pub scope: String,
+    /// Producer namespace, if any.
+    pub producer: Option<String>,
+    /// Application message id.
+    pub message_id: String,
+    /// Topic of the conflicting delivery.
+    pub topic: String,
+    /// Fingerprint of the content committed first, hex.
+    pub stored_fingerprint: String,
+    /// Fingerprint of the content that conflicted, hex.
+    pub received_fingerprint: String,
+    /// When it was recorded, Unix seconds.
+    pub at: i64,
+}
+
+/// A quarantined delivery (its payload only in [`export`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct QuarantineReport {
+    /// Row id.
+    pub id: i64,
+    /// Scope name, if known.
+    pub scope: Option<String>,
+    /// Topic it arrived on.
+    pub topic: String,
+    /// Payload size in bytes.
+    pub payload_bytes: u64,
+    /// Why it was quarantined.
+    pub reason: String,
+    /// When, Unix seconds.
+    pub at: i64,
+}
+
+/// What a retention pass would delete now, per scope with a policy; see [`prune_preview`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct PrunePreview {
+    /// Scope name.
+    pub scope: String,
+    /// Processed messages past their payload age.
+    pub payloads_due: u64,
+    /// Dead letters past their age.
+    pub dead_letters_due: u64,
+    /// Identities past the identity horizon whose stored message is gone or due as well.
+    pub identities_due: u64,
+}
+
+/// Health of the file: `PRAGMA integrity_check` and the settings found; see [`check`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct CheckReport {
+    /// True when the integrity check found nothing and the schema version is known.
+    pub ok: bool,
+    /// Problems reported by `integrity_check` (empty when it answered `ok`).
+    pub problems: Vec<String>,
+    /// `PRAGMA user_version`.
+    pub schema_version: i64,
+    /// The newest schema version this build knows.
+    pub supported_schema_version: i64,
+    /// `PRAGMA journal_mode` (an inbox always uses `wal`).
+    pub journal_mode: String,
+    /// `PRAGMA auto_vacuum`: `none`, `full` or `incremental` (an inbox file is `incremental`).
+    pub auto_vacuum: &'static str,
+    /// `PRAGMA synchronous` of the inspecting connection. It is a per-connection setting: each inbox applies its
+    /// own ([`Config::synchronous`](crate::Config::synchronous), FULL by default) when it opens.
+    pub synchronous: &'static str,
+    /// Page size in bytes.
+    pub page_size: i64,
+    /// Pages in the file.
+    pub page_count: i64,
+    /// Free pages (reclaimed by pruning's incremental vacuum).
+    pub freelist_count: i64,
+}
+
+/// Which table [`export`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Table {
+    /// Identity rows (hash, fingerprint, day).
+    Identities,
+    /// Stored messages with their bodies.
+    Messages,
+    /// Conflict records.
+    Conflicts,
+    /// Quarantined deliveries with their payloads.
+    Quarantine,
+}
+
+/// One exported row, tagged with its table (`"table": "identity"` and so on).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "table", rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum ExportRow {
+    /// An identity row.
+    Identity {
+        /// Scope name.
+        scope: String,
+        /// xxh3-128 of (producer, message id), hex.
+        id_hash: String,
+        /// Fingerprint of the committed content, hex.
+        fingerprint: String,
+        /// Commit day, whole Unix days.
+        day: i64,
+    },
+    /// A stored message and its body (`None` when pruned).
+    Message {
+        /// The row without its body.
+        #[serde(flatten)]
+        message: MessageReport,
+        /// The body.
+        #[serde(serialize_with = "bytes_opt")]
+        payload: Option<Vec<u8>>,
+    },
+    /// A conflict record.
+    Conflict(ConflictReport),
+    /// A quarantined delivery and its payload.
+    Quarantine {
+        /// The row without its payload.
+        #[serde(flatten)]
+        record: QuarantineReport,
+        /// The payload.
+        #[serde(serialize_with = "bytes")]
+        payload: Vec<u8>,
+    },
+}
+
+fn bytes<S: Serializer>(b: &[u8], s: S) -> std::result::Result<S::Ok, S::Error> {
+    if s.is_human_readable() {
+        s.serialize_str(&hex(b))
+    } else {
+        s.serialize_bytes(b)
+    }
+}
+
+fn bytes_opt<S: Serializer>(b: &Option<Vec<u8>>, s: S) -> std::result::Result<S::Ok, S::Error> {
+    match b {
+        Some(b) => bytes(b, s),
+        None => s.serialize_none(),
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn u(v: i64) -> u64 {
+    v.max(0) as u64
+}
+
+/// Runs `f` inside one read transaction, so that every number it reads belongs to the same snapshot.
+fn snapshot<T, E: From<Error>>(
+    conn: &Connection,
+    f: impl FnOnce() -> std::result::Result<T, E>,
+) -> std::result::Result<T, E> {
+    if !conn.is_autocommit() {
+        // Already inside a transaction (a handler's, say): that is a snapshot too.
+        return f();
+    }
+    conn.execute_batch("BEGIN DEFERRED")
+        .map_err(|e| E::from(e.into()))?;
+    let result = f();
+    let _ = conn.execute_batch("COMMIT");
+    result
+}
+
+/// Counters, backlog and retained identities of every scope (or only `scope`), in name order, from one snapshot.
+///
+/// Cost: counting retained identities walks each scope's identity keys, so this is a tool's call (and a
+/// monitoring call every minute or so), not one for every delivery.
+pub fn stats(conn: &Connection, scope: Option<&str>) -> Result<Vec<ScopeReport>> {
+    let now_ms = unix_now_ms();
+    snapshot(conn, || {
+        let mut stmt = conn.prepare_cached(
+            "SELECT s.id, s.name, coalesce(st.processed, 0), coalesce(st.duplicates, 0), coalesce(st.conflicts, 0), \
+             coalesce(st.handler_failures, 0), coalesce(st.quarantined, 0), coalesce(st.dead_lettered, 0), \
+             coalesce(st.identities_pruned, 0), coalesce(st.payloads_pruned, 0), coalesce(st.expired, 0) \
+             FROM scopes s LEFT JOIN scope_stats st ON st.scope_id = s.id \
+             WHERE ?1 IS NULL OR s.name = ?1 ORDER BY s.name",
+        )?;
+        let rows = stmt
+            .query_map([scope], |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    ScopeReport {
+                        scope: r.get(1)?,
+                        processed: u(r.get(2)?),
+                        duplicates: u(r.get(3)?),
+                        conflicts: u(r.get(4)?),
+                        handler_failures: u(r.get(5)?),
+                        quarantined: u(r.get(6)?),
+                        dead_lettered: u(r.get(7)?),
+                        identities_pruned: u(r.get(8)?),
+                        payloads_pruned: u(r.get(9)?),
+                        expired: u(r.get(10)?),
+                        ..ScopeReport::default()
+                    },
+                ))
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        let now = now_ms.div_euclid(1000);
+        let mut out = Vec::with_capacity(rows.len());
+        for (id, mut rep) in rows {
+            // Open rows through the partial index messages_open, dead letters through messages_dead.
+            let (pending, failed, in_flight, oldest) = conn
+                .prepare_cached(
+                    "SELECT count(*) FILTER (WHERE state = 0), count(*) FILTER (WHERE state = 2), \
+                     count(*) FILTER (WHERE lease_until >= ?2), min(received_at) \
+                     FROM messages WHERE scope_id = ?1 AND state IN (0, 2)",
+                )?
+                .query_row((id, now_ms), |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, i64>(2)?,
+                        r.get::<_, Option<i64>>(3)?,
+                    ))
+                })?;
+            let count = |sql: &str| -> Result<u64> {
+                Ok(u(conn
+                    .prepare_cached(sql)?
+                    .query_row([id], |r| r.get(0))?))
+            };
+            rep.pending = u(pending);
+            rep.failed = u(failed);
+            rep.in_flight = u(in_flight);
+            rep.oldest_pending_age_secs = oldest.map(|at| u(now - at));
+            rep.dead_letters =
+                count("SELECT count(*) FROM messages WHERE scope_id = ?1 AND state = 3")?;
+            rep.identities_retained = count("SELECT count(*) FROM identities WHERE scope_id = ?1")?;
+            rep.watermark_producers = count("SELECT count(*) FROM watermarks WHERE scope_id = ?1")?;
+            rep.messages_stored = count("SELECT count(*) FROM messages WHERE scope_id = ?1")?;
+            out.push(rep);
+        }
+        Ok(out)
+    })
+}
+
+const MESSAGE_COLUMNS: &str = "m.seq, s.name, m.producer, m.message_id, m.topic, m.state, length(m.payload), \
+     m.attempts, m.claims, m.sequence, m.sent_at, m.order_key, m.lease_owner, m.lease_until, m.last_error, \
+     m.received_at, m.finished_at";
+
+fn message_row(r: &Row<'_>) -> rusqlite::Result<MessageReport> {
+    Ok(MessageReport {
+        seq: r.get(0)?,
+        scope: r.get(1)?,
+        producer: r.get(2)?,
+        message_id: r.get(3)?,
+        topic: r.get(4)?,
+        state: MessageState::from_sql(r.get(5)?).map_or("unknown", MessageState::name),
+        body_bytes: r.get::<_, Option<i64>>(6)?.map(u),
+        attempts: r.get::<_, i64>(7)?.clamp(0, u32::MAX as i64) as u32,
+        claims: r.get::<_, i64>(8)?.clamp(0, u32::MAX as i64) as u32,
+        sequence: r.get(9)?,
+        sent_at: r.get(10)?,
+        order_key: r.get(11)?,
+        lease_owner: r.get(12)?,
+        lease_until_ms: r.get(13)?,
+        last_error: r.get(14)?,
+        received_at: r.get(15)?,
+        finished_at: r.get(16)?,
+    })
+}
+
+/// The stored message with row id `seq`, if any.
+pub fn message(conn: &Connection, seq: i64) -> Result<Option<MessageReport>> {
+    Ok(conn
+        .prepare_cached(&format!(
+            "SELECT {MESSAGE_COLUMNS} FROM messages m JOIN scopes s ON s.id = m.scope_id WHERE m.seq = ?1"
+        ))?
+        .query_row([seq], message_row)
+        .optional()?)
+}
+
+/// What is recorded for the identity (scope, producer, message id): status, fingerprint, stored message and
+/// conflicts. The same lookup as [`Inbox::status`], with the details an operator needs.
+pub fn identity(
+    conn: &Connection,
+    scope: &str,
+    producer: Option<&str>,
+    message_id: &str,
+) -> Result<IdentityReport> {
+    let id_hash = IdHash::of(producer, message_id);
+    snapshot(conn, || {
+        let st = status(conn, scope, producer, message_id)?;
+        let message = conn
+            .prepare_cached(&format!(
+                "SELECT {MESSAGE_COLUMNS} FROM messages m JOIN scopes s ON s.id = m.scope_id \
+                 WHERE s.name = ?1 AND m.id_hash = ?2"
+            ))?
+            .query_row((scope, &id_hash.0[..]), message_row)
+            .optional()?;
+        let conflicts: i64 = conn
+            .prepare_cached(
+                "SELECT count(*) FROM conflicts c JOIN scopes s ON s.id = c.scope_id \
+                 WHERE s.name = ?1 AND c.id_hash = ?2",
+            )?
+            .query_row((scope, &id_hash.0[..]), |r| r.get(0))?;
+        let (status, fingerprint, committed_day) = match st {
+            Status::Recorded {
+                fingerprint, at, ..
+            } => ("recorded", Some(fingerprint.to_string()), Some(at)),
+            _ => ("not-found", None, None),
+        };
+        Ok(IdentityReport {
+            scope: scope.to_owned(),
+            producer: producer.map(str::to_owned),
+            message_id: message_id.to_owned(),
+            id_hash: id_hash.to_hex(),
+            status,
+            fingerprint,
+            committed_day,
+            message,
+            conflicts: u(conflicts),
+        })
+    })
+}
+
+/// Up to `limit` conflict records, oldest first, of every scope or only `scope`.
+pub fn conflicts(
+    conn: &Connection,
+    scope: Option<&str>,
+    limit: usize,
+) -> Result<Vec<ConflictReport>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT c.id, s.name, c.producer, c.message_id, c.topic, c.stored_fingerprint, c.received_fingerprint, c.at \
+         FROM conflicts c JOIN scopes s ON s.id = c.scope_id WHERE ?1 IS NULL OR s.name = ?1 ORDER BY c.id LIMIT ?2",
+    )?;
+    let rows = stmt.query_map((scope, clamp(limit)), conflict_row)?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+fn conflict_row(r: &Row<'_>) -> rusqlite::Result<ConflictReport> {
+    Ok(ConflictReport {
+        id: r.get(0)?,
+        scope: r.get(1)?,
+        producer: r.get(2)?,
+        message_id: r.get(3)?,
+        topic: r.get(4)?,
+        stored_fingerprint: Fingerprint::from_sql(r.get(5)?).to_string(),
+        received_fingerprint: Fingerprint::from_sql(r.get(6)?).to_string(),
+        at: r.get(7)?,
+    })
+}
+
+/// Up to `limit` quarantined deliveries, oldest first, of every scope or only `scope`.
+pub fn quarantine(
+    conn: &Connection,
+    scope: Option<&str>,
+    limit: usize,
+) -> Result<Vec<QuarantineReport>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT q.id, s.name, q.topic, length(q.payload), q.reason, q.at FROM quarantine q \
+         LEFT JOIN scopes s ON s.id = q.scope_id WHERE ?1 IS NULL OR s.name = ?1 ORDER BY q.id LIMIT ?2",
+    )?;
+    let rows = stmt.query_map((scope, clamp(limit)), |r| {
+        Ok(QuarantineReport {
+            id: r.get(0)?,
+            scope: r.get(1)?,
+            topic: r.get(2)?,
+            payload_bytes: u(r.get(3)?),
+            reason: r.get(4)?,
+            at: r.get(5)?,
+        })
+    })?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+/// Up to `limit` dead letters, oldest first, of every scope or only `scope`.
+pub fn dead_letters(
+    conn: &Connection,
+    scope: Option<&str>,
+    limit: usize,
+) -> Result<Vec<MessageReport>> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {MESSAGE_COLUMNS} FROM messages m JOIN scopes s ON s.id = m.scope_id \
+         WHERE m.state = 3 AND (?1 IS NULL OR s.name = ?1) ORDER BY m.seq LIMIT ?2"
+    ))?;
+    let rows = stmt.query_map((scope, clamp(limit)), message_row)?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+fn clamp(limit: usize) -> i64 {
+    limit.min(i64::MAX as usize) as i64
+}
+
+/// What [`Inbox::prune`] would delete if it ran at `now` (Unix seconds), per scope with a retention policy,
+/// by the same rules: processed and dead-lettered messages past their ages, and identities past the horizon
+/// whose stored message is gone or due too. Pending and failed messages are never due.
+pub fn prune_preview(conn: &Connection, now: i64) -> Result<Vec<PrunePreview>> {
+    snapshot(conn, || {
+        let mut stmt = conn.prepare_cached(
+            "SELECT r.scope_id, s.name, r.processed_payload_age, r.dead_letter_age, r.identity_horizon \
+             FROM retention r JOIN scopes s ON s.id = r.scope_id ORDER BY s.name",
+        )?;
+        let scopes = stmt
+            .query_map([], |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, Option<i64>>(2)?,
+                    r.get::<_, Option<i64>>(3)?,
+                    r.get::<_, Option<i64>>(4)?,
+                ))
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        // A message is due when its state's age is set and it finished longer ago than that.
+        const DUE: &str = "(m.state = 1 AND ?2 IS NOT NULL AND coalesce(m.finished_at, m.received_at) <= ?4 - ?2) \
+             OR (m.state = 3 AND ?3 IS NOT NULL AND coalesce(m.finished_at, m.received_at) <= ?4 - ?3)";
+        let mut out = Vec::with_capacity(scopes.len());
+        for (id, name, processed_age, dead_age, horizon) in scopes {
+            let (payloads, dead): (i64, i64) = conn
+                .prepare_cached(&format!(
+                    "SELECT count(*) FILTER (WHERE m.state = 1), count(*) FILTER (WHERE m.state = 3) \
+                     FROM messages m WHERE m.scope_id = ?1 AND ({DUE})"
+                ))?
+                .query_row((id, processed_age, dead_age, now), |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })?;
+            let identities: i64 = match horizon {
+                None => 0,
+                Some(h) => conn
+                    .prepare_cached(&format!(
+                        "SELECT count(*) FROM identities i WHERE i.scope_id = ?1 AND i.day < ?5 AND NOT EXISTS ( \
+                           SELECT 1 FROM messages m WHERE m.scope_id = ?1 AND m.id_hash = i.id_hash \
+                           AND NOT ({DUE}))"
+                    ))?
+                    .query_row(
+                        (id, processed_age, dead_age, now, (now - h).div_euclid(DAY)),
+                        |r| r.get(0),
+                    )?,
+            };
+            out.push(PrunePreview {
+                scope: name,
+                payloads_due: u(payloads),
+                dead_letters_due: u(dead),
+                identities_due: u(identities),
+            });
+        }
+        Ok(out)
+    })
+}
+
+/// Runs `PRAGMA integrity_check` (reporting at most `max_problems` problems) and reads the schema version and
+/// file settings. A file so damaged that the check itself fails is reported as not ok, with the error as its
+/// problem.
+pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
+    let pragma_i64 = |name: &str| -> Result<i64> {
+        Ok(conn.query_row(&format!("PRAGMA {name}"), [], |r| r.get(0))?)
+    };
+    let schema_version = pragma_i64("user_version")?;
+    let problems = match integrity(conn, max_problems.max(1)) {
+        Ok(lines) => lines.into_iter().filter(|l| l != "ok").collect(),
+        Err(e) => vec![format!("integrity_check failed: {e}")],
+    };
+    let journal_mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
+    let auto_vacuum = match pragma_i64("auto_vacuum")? {
+        0 => "none",
+        1 => "full",
+        2 => "incremental",
+        _ => "unknown",
+    };
+    let synchronous = match pragma_i64("synchronous")? {
+        0 => "off",
+        1 => "normal",
+        2 => "full",
+        3 => "extra",
+        _ => "unknown",
+    };
+    let ok = problems.is_empty() && (1..=SCHEMA_VERSION).contains(&schema_version);
+    Ok(CheckReport {
+        ok,
+        problems,
+        schema_version,
+        supported_schema_version: SCHEMA_VERSION,
+        journal_mode,
+        auto_vacuum,
+        synchronous,
+        page_size: pragma_i64("page_size")?,
+        page_count: pragma_i64("page_count")?,
+        freelist_count: pragma_i64("freelist_count")?,
+    })
+}
+
+fn integrity(conn: &Connection, max: usize) -> rusqlite::Result<Vec<String>> {
+    let mut stmt = conn.prepare(&format!("PRAGMA integrity_check({max})"))?;
+    let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+    rows.collect()
+}
+
+/// Number of rows [`export`] will visit for `table` (for a progress indicator).
+pub fn count(conn: &Connection, table: Table) -> Result<u64> {
+    let name = match table {
+        Table::Identities => "identities",
+        Table::Messages => "messages",
+        Table::Conflicts => "conflicts",
+        Table::Quarantine => "quarantine",
+    };
+    Ok(u(conn.query_row(
+        &format!("SELECT count(*) FROM {name}"),
+        [],
+        |r| r.get(0),
+    )?))
+}
+
+/// Calls `f` with every row of `table`, in key order, from one snapshot; returns how many. An error from `f`
+/// (writing the row out, say) stops the export and is returned.
+pub fn export<E: From<Error>>(
+    conn: &Connection,
+    table: Table,
+    mut f: impl FnMut(ExportRow) -> std::result::Result<(), E>,
+) -> std::result::Result<u64, E> {
+    snapshot(conn, || {
+        let mut n = 0u64;
+        let mut each = |row: ExportRow| -> std::result::Result<(), E> {
+            n += 1;
+            f(row)
+        };
+        export_rows(conn, table, &mut each).map_err(|e| match e {
+            Stop::Db(e) => E::from(e),
+            Stop::Caller(e) => e,
+        })?;
+        Ok(n)
+    })
+}
+
+enum Stop<E> {
+    Db(Error),
+    Caller(E),
+}
+
+impl<E> From<rusqlite::Error> for Stop<E> {
+    fn from(e: rusqlite::Error) -> Self {
+        Stop::Db(e.into())
+    }
+}
+
+fn export_rows<E>(
+    conn: &Connection,
+    table: Table,
+    each: &mut impl FnMut(ExportRow) -> std::result::Result<(), E>,
+) -> std::result::Result<(), Stop<E>> {
+    let mut each = |row: ExportRow| each(row).map_err(Stop::Caller);
+    {
+        match table {
+            Table::Identities => {
+                let mut stmt = conn.prepare(
+                    "SELECT s.name, i.id_hash, i.fingerprint, i.day FROM identities i \
+                     JOIN scopes s ON s.id = i.scope_id ORDER BY i.scope_id, i.id_hash",
+                )?;
+                let mut rows = stmt.query([])?;
+                while let Some(r) = rows.next()? {
+                    each(ExportRow::Identity {
+                        scope: r.get(0)?,
+                        id_hash: hex(&r.get::<_, Vec<u8>>(1)?),
+                        fingerprint: Fingerprint::from_sql(r.get(2)?).to_string(),
+                        day: r.get(3)?,
+                    })?;
+                }
+            }
+            Table::Messages => {
+                let mut stmt = conn.prepare(&format!(
+                    "SELECT {MESSAGE_COLUMNS}, m.payload FROM messages m JOIN scopes s ON s.id = m.scope_id \
+                     ORDER BY m.seq"
+                ))?;
+                let mut rows = stmt.query([])?;
+                while let Some(r) = rows.next()? {
+                    each(ExportRow::Message {
+                        message: message_row(r)?,
+                        payload: r.get(17)?,
+                    })?;
+                }
+            }
+            Table::Conflicts => {
+                let mut stmt = conn.prepare(
+                    "SELECT c.id, s.name, c.producer, c.message_id, c.topic, c.stored_fingerprint, \
+                     c.received_fingerprint, c.at FROM conflicts c JOIN scopes s ON s.id = c.scope_id ORDER BY c.id",
+                )?;
+                let mut rows = stmt.query([])?;
+                while let Some(r) = rows.next()? {
+                    each(ExportRow::Conflict(conflict_row(r)?))?;
+                }
+            }
+            Table::Quarantine => {
+                let mut stmt = conn.prepare(
+                    "SELECT q.id, s.name, q.topic, length(q.payload), q.reason, q.at, q.payload FROM quarantine q \
+                     LEFT JOIN scopes s ON s.id = q.scope_id ORDER BY q.id",
+                )?;
+                let mut rows = stmt.query([])?;
+                while let Some(r) = rows.next()? {
+                    each(ExportRow::Quarantine {
+                        record: QuarantineReport {
+                            id: r.get(0)?,
+                            scope: r.get(1)?,
+                            topic: r.get(2)?,
+                            payload_bytes: u(r.get(3)?),
+                            reason: r.get(4)?,
+                            at: r.get(5)?,
+                        },
+                        payload: r.get(6)?,
+                    })?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Inbox {
+    /// Counters, backlog and retained identities of every scope, from one snapshot; see [`stats`].
+    pub fn stats(&self) -> Result<Vec<ScopeReport>> {
+        stats(&self.conn, None)
+    }
+
+    /// Sizes of this inbox's database and WAL files on disk.
+    pub fn file_sizes(&self) -> FileSizes {
+        FileSizes::of(self.path())
+    }
+}
