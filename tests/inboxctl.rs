@@ -287,7 +287,7 @@ fn prune_is_a_dry_run_unless_applied_and_applies_what_it_previewed() {
     };
     assert_eq!(
         stored(json(&path, &["stats"])),
-        stored(before.clone()),
+        stored(before),
         "a dry run writes nothing"
     );
 
