@@ -125,7 +125,9 @@ CREATE INDEX messages_open_by_key ON messages (scope_id, order_key, seq) WHERE s
 -- attempts counts publishes the broker refused (a PUBACK with a failure reason code).
 -- created_at and sent_at are Unix seconds. Sent rows are deleted by Inbox::prune_outbox.
 CREATE TABLE outbox (
-    seq        INTEGER PRIMARY KEY,
+    -- AUTOINCREMENT: a pruned row's seq is never handed out again, so a relay reading past its cursor cannot
+    -- miss a new row, nor mark another row than the one the broker acknowledged.
+    seq        INTEGER PRIMARY KEY AUTOINCREMENT,
     scope_id   INTEGER NOT NULL,
     producer   TEXT    NOT NULL,
     message_id TEXT    NOT NULL,

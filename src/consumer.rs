@@ -603,7 +603,8 @@ impl Run<'_> {
     /// stale: the broker redelivers instead).
     fn queue_ack(&mut self, token: AckToken) -> bool {
         loop {
-            if !self.connection_current() {
+            // A stop also ends the wait: an ack not sent is redelivered, never lost.
+            if !self.connection_current() || self.stopping() {
                 return false;
             }
             if self.client.try_ack(token) {

@@ -48,6 +48,9 @@ pub(crate) struct Db {
     pub(crate) outbox: crate::outbox::OutboxSettings,
     /// The WAL file's path, to notice when it is deleted underneath the open connection.
     wal: Option<std::path::PathBuf>,
+    /// (device, inode) of the WAL file this connection writes, once seen: a file recreated at the same path
+    /// (another connection opening the database after the deletion) is not ours.
+    wal_id: Cell<Option<(u64, u64)>>,
     /// Commits at least this slow are logged.
     pub(crate) slow_commit: Option<std::time::Duration>,
 }
@@ -97,6 +100,7 @@ impl Db {
                 relaxed: Cell::new(false),
                 outbox: Default::default(),
                 wal,
+                wal_id: Cell::new(None),
                 slow_commit: None,
             }),
             Err(e) => {
@@ -198,9 +202,21 @@ impl Db {
     /// Frames committed since then live only in the unlinked file and vanish if the process dies. One `stat`,
     /// no allocation for ordinary path lengths: negligible beside the commit's fsync.
     pub(crate) fn wal_unlinked(&self) -> bool {
-        self.wal
-            .as_deref()
-            .is_some_and(|p| std::fs::symlink_metadata(p).is_err())
+        use std::os::unix::fs::MetadataExt;
+        let Some(path) = self.wal.as_deref() else {
+            return false;
+        };
+        let Ok(meta) = std::fs::symlink_metadata(path) else {
+            return true;
+        };
+        let id = (meta.dev(), meta.ino());
+        match self.wal_id.get() {
+            None => {
+                self.wal_id.set(Some(id));
+                false
+            }
+            Some(ours) => ours != id,
+        }
     }
 
     pub(crate) fn commit_raw(&self) -> rusqlite::Result<()> {

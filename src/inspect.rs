@@ -593,7 +593,7 @@ pub fn prune_preview(conn: &Connection, now: i64) -> Result<Vec<PrunePreview>> {
                            AND NOT ({DUE}))"
                     ))?
                     .query_row(
-                        (id, processed_age, dead_age, now, (now - h).div_euclid(DAY)),
+                        (id, processed_age, dead_age, now, now.saturating_sub(h).div_euclid(DAY)),
                         |r| r.get(0),
                     )?,
             };

@@ -246,6 +246,43 @@ fn validate(
             "user property {name:?} is reserved: the relay sets it from the outbox row"
         )));
     }
+    // MQTT encodes these with a 16-bit length and forbids U+0000 in strings: a row the broker would refuse
+    // as malformed would stall the relay, so it is refused here, before it is written.
+    let strings = properties
+        .user_properties
+        .iter()
+        .flat_map(|(k, v)| {
+            [
+                ("user property", k.as_str()),
+                ("user property value", v.as_str()),
+            ]
+        })
+        .chain(
+            properties
+                .content_type
+                .as_deref()
+                .map(|v| ("content type", v)),
+        )
+        .chain(
+            properties
+                .response_topic
+                .as_deref()
+                .map(|v| ("response topic", v)),
+        );
+    for (what, v) in strings {
+        if v.len() > usize::from(u16::MAX) || v.contains('\0') {
+            return Err(invalid(format!(
+                "{what} is over 65535 bytes or contains NUL, which MQTT cannot carry"
+            )));
+        }
+    }
+    if properties
+        .correlation_data
+        .as_ref()
+        .is_some_and(|d| d.len() > usize::from(u16::MAX))
+    {
+        return Err(invalid("correlation data is over 65535 bytes".into()));
+    }
     Ok(())
 }
 
@@ -516,9 +553,9 @@ impl Inbox {
         let now = unix_now();
         crate::inbox::begin(&self.conn)?;
         let result = (|| -> rusqlite::Result<()> {
-            let mut stmt = self
-                .conn
-                .prepare_cached("UPDATE outbox SET state = 1, sent_at = ?2 WHERE seq = ?1")?;
+            let mut stmt = self.conn.prepare_cached(
+                "UPDATE outbox SET state = 1, sent_at = ?2 WHERE seq = ?1 AND state = 0",
+            )?;
             for s in seqs {
                 stmt.execute((s, now))?;
             }

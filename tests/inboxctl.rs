@@ -246,6 +246,20 @@ fn usage_errors_exit_2_and_operational_errors_exit_1_without_creating_files() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // A writing command on another application's SQLite file refuses it and installs nothing.
+    let foreign = dir.path().join("other-app.db");
+    edge_inbox::rusqlite::Connection::open(&foreign)
+        .unwrap()
+        .execute_batch("CREATE TABLE settings (k TEXT, v TEXT)")
+        .unwrap();
+    for args in [&["requeue", "--scope", SCOPE][..], &["prune", "--apply"]] {
+        assert_eq!(inboxctl(&foreign, args).status.code(), Some(1), "{args:?}");
+    }
+    let tables: i64 = edge_inbox::rusqlite::Connection::open(&foreign)
+        .unwrap()
+        .query_row("SELECT count(*) FROM sqlite_schema", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(tables, 1, "the foreign database is left as it was");
 }
 
 #[test]

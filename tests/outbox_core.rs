@@ -206,6 +206,18 @@ fn invalid_messages_are_refused_with_clear_errors_and_roll_back() {
         ),
         ("stock/#", vec![], OutboxProperties::new(), "wildcard"),
         (
+            "stock",
+            vec![],
+            OutboxProperties::new().user_property("note", "a\0b"),
+            "contains NUL",
+        ),
+        (
+            "stock",
+            vec![],
+            OutboxProperties::new().content_type("x".repeat(70_000)),
+            "over 65535 bytes",
+        ),
+        (
             "stock/a-very-long-topic-name",
             vec![],
             OutboxProperties::new(),

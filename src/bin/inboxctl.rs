@@ -184,6 +184,8 @@ fn writable(path: &Path) -> anyhow::Result<Inbox> {
     if !path.exists() {
         bail!("{} does not exist", path.display());
     }
+    // Refuses a file that is not an inbox before the writable open would install the schema in it.
+    drop(open_read_only(path).with_context(|| format!("opening {}", path.display()))?);
     Inbox::open(path, Config::default()).with_context(|| format!("opening {}", path.display()))
 }
 
