@@ -159,7 +159,8 @@ impl Consumer {
         self
     }
 
-    /// Makes [`Consumer::run`] return once nothing has arrived for `idle` and nothing is in flight
+    /// Makes [`Consumer::run`] return once nothing has arrived for `idle` (counted from the start, the latest
+    /// connection or the latest delivery) and nothing is in flight
     /// (batch jobs, tests, the example's `--exit-when-idle`).
     pub fn exit_when_idle(mut self, idle: Duration) -> Self {
         self.exit_when_idle = Some(idle);
@@ -226,6 +227,7 @@ impl Consumer {
         };
         let mut batch: Vec<Pending> = Vec::with_capacity(batch_size);
         let mut last_activity = Instant::now();
+        let mut connections_seen = 0;
         loop {
             if self.stop.is_stopped() {
                 break;
@@ -236,6 +238,12 @@ impl Consumer {
                     last_activity = Instant::now();
                 }
                 Collected::Nothing => {
+                    // A (re)connection is activity too: idle time counts from the latest session start, so a
+                    // slow handshake does not end the run before the broker had a chance to deliver.
+                    if run.summary.connections != connections_seen {
+                        connections_seen = run.summary.connections;
+                        last_activity = Instant::now();
+                    }
                     if let Some(idle) = self.exit_when_idle {
                         if last_activity.elapsed() >= idle {
                             log::info!("idle for {idle:?}: stopping");
