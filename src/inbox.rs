@@ -457,21 +457,7 @@ fn apply_one<H: Handler>(
         return Ok(outcome);
     }
 
-    failure.set(None);
-    let mut tx =
-        Tx::new(conn, d.scope, scope_id, now, buf, failure).with_origin(d.producer, d.message_id);
-    let result = handler(&mut tx, d);
-    if let Some(code) = failure.get() {
-        // The handler met storage trouble through the inbox's own API, whatever it returned.
-        return Err(storage_error(code));
-    }
-    if let Some(e) = result.as_ref().err().and_then(storage_cause) {
-        return Err(e);
-    }
-    if conn.is_autocommit() {
-        return Err(Error::HandlerEndedTransaction);
-    }
-    match result {
+    match run_handler(conn, d, scope_id, now, handler, buf, failure)? {
         Ok(()) => {
             release(conn)?;
             Ok(Outcome::Processed)
@@ -483,6 +469,36 @@ fn apply_one<H: Handler>(
             Ok(Outcome::HandlerFailed(err))
         }
     }
+}
+
+/// Runs `handler` on `d` inside the open savepoint and sorts what it returned. Storage trouble fails the
+/// whole transaction (`Err`), whether the handler met it through the inbox's own API (even if it swallowed
+/// the error), returned it in its error chain, or SQLite or the handler ended the transaction; checked in
+/// that order, since a full disk makes SQLite roll back by itself. Otherwise `Ok` carries the handler's own
+/// verdict.
+pub(crate) fn run_handler<H: Handler>(
+    conn: &Db,
+    d: &Delivery<'_>,
+    scope_id: i64,
+    now: i64,
+    handler: &mut H,
+    buf: &RefCell<Vec<u8>>,
+    failure: &Cell<Option<i32>>,
+) -> Result<anyhow::Result<()>> {
+    failure.set(None);
+    let mut tx =
+        Tx::new(conn, d.scope, scope_id, now, buf, failure).with_origin(d.producer, d.message_id);
+    let result = handler(&mut tx, d);
+    if let Some(code) = failure.get() {
+        return Err(storage_error(code));
+    }
+    if let Some(e) = result.as_ref().err().and_then(storage_cause) {
+        return Err(e);
+    }
+    if conn.is_autocommit() {
+        return Err(Error::HandlerEndedTransaction);
+    }
+    Ok(result)
 }
 
 /// Inserts the identity of `d`, inside the caller's open transaction. `None`: the identity is new and now

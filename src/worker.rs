@@ -22,8 +22,7 @@ use crate::db::Db;
 use crate::deferred::unix_now_ms;
 use crate::error::{Error, Result};
 use crate::identity::{Delivery, Fingerprint, IdHash};
-use crate::inbox::{begin, commit, release, storage_cause, storage_error, Handler, Inbox};
-use crate::state::Tx;
+use crate::inbox::{begin, commit, release, run_handler, Handler, Inbox};
 
 /// Longest `last_error` text kept per message.
 const MAX_ERROR_LEN: usize = 2048;
@@ -600,21 +599,7 @@ fn apply_claims<H: Handler>(
             crate::inbox::identity_day(now),
         ))?;
 
-        failure.set(None);
-        let mut tx = Tx::new(conn, scope, scope_id, now, buf, &failure)
-            .with_origin(d.producer, d.message_id);
-        let result = handler(&mut tx, &d);
-        // Storage trouble first: SQLite may have rolled the transaction back itself (a full disk does).
-        if let Some(code) = failure.get() {
-            return Err(storage_error(code));
-        }
-        if let Some(e) = result.as_ref().err().and_then(storage_cause) {
-            return Err(e);
-        }
-        if conn.is_autocommit() {
-            return Err(Error::HandlerEndedTransaction);
-        }
-        let err = match result {
+        let err = match run_handler(conn, &d, scope_id, now, handler, buf, &failure)? {
             Ok(()) => {
                 release(conn)?;
                 processed += 1;
