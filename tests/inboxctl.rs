@@ -2,6 +2,7 @@
 //! writes happen only where asked, and exit codes are 0 / 1 (operational) / 2 (usage).
 
 mod cli_support;
+mod common;
 
 use std::path::Path;
 use std::time::Duration;

@@ -4,31 +4,15 @@
 mod broker;
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 use broker::Broker;
 
-/// The built example (cargo builds examples for `cargo test`), through `EDGE_INBOX_TEST_RUNNER` when set.
+/// The built inventory example, through `EDGE_INBOX_TEST_RUNNER` when set.
 fn example(args: &[&str]) -> Command {
-    let deps = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    let exe: PathBuf = deps.parent().unwrap().join("examples").join("inventory");
-    assert!(exe.exists(), "{} not built", exe.display());
-    let runner = std::env::var("EDGE_INBOX_TEST_RUNNER").unwrap_or_default();
-    let mut words = runner.split_whitespace();
-    let mut cmd = match words.next() {
-        Some(first) => {
-            let mut c = Command::new(first);
-            c.args(words).arg(&exe);
-            c
-        }
-        None => Command::new(&exe),
-    };
+    let mut cmd = common::through_runner(&common::built_example("inventory"));
     cmd.args(args);
     cmd
 }

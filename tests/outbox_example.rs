@@ -3,31 +3,12 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 #[test]
 fn example_announces_each_reservation_once_with_a_stable_id() {
-    let deps = std::env::current_exe().unwrap();
-    let exe: PathBuf = deps
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("outbox");
-    assert!(exe.exists(), "{} not built", exe.display());
-    let runner = std::env::var("EDGE_INBOX_TEST_RUNNER").unwrap_or_default();
-    let mut words = runner.split_whitespace();
-    let mut cmd = match words.next() {
-        Some(first) => {
-            let mut c = Command::new(first);
-            c.args(words).arg(&exe);
-            c
-        }
-        None => Command::new(&exe),
-    };
+    let mut cmd = common::through_runner(&common::built_example("outbox"));
     let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -2,22 +2,13 @@
 #![allow(dead_code)]
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 /// `inboxctl` as built for these tests, through `EDGE_INBOX_TEST_RUNNER` when set (cross builds run under
 /// qemu-user, and so must the binary).
 pub fn inboxctl(db: &Path, args: &[&str]) -> Output {
     let exe = env!("CARGO_BIN_EXE_inboxctl");
-    let runner = std::env::var("EDGE_INBOX_TEST_RUNNER").unwrap_or_default();
-    let mut words = runner.split_whitespace();
-    let mut cmd = match words.next() {
-        Some(first) => {
-            let mut c = Command::new(first);
-            c.args(words).arg(exe);
-            c
-        }
-        None => Command::new(exe),
-    };
+    let mut cmd = super::common::through_runner(Path::new(exe));
     cmd.env_remove("EDGE_INBOX_DB")
         .arg("--db")
         .arg(db)

@@ -5,20 +5,25 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// A command that runs this test binary again as a child, through `EDGE_INBOX_TEST_RUNNER` when set
-/// (cross-compiled test binaries run under qemu-user; a child must go through the same emulator).
-pub fn child_command(test_name: &str) -> Command {
-    let exe = std::env::current_exe().expect("test binary path");
+/// A command that runs `exe` (built for the target under test) through `EDGE_INBOX_TEST_RUNNER` when set:
+/// cross-compiled binaries run under qemu-user, and so must every program a test starts from them.
+pub fn through_runner(exe: &Path) -> Command {
     let runner = std::env::var("EDGE_INBOX_TEST_RUNNER").unwrap_or_default();
     let mut words = runner.split_whitespace();
-    let mut cmd = match words.next() {
+    match words.next() {
         Some(first) => {
             let mut c = Command::new(first);
-            c.args(words).arg(&exe);
+            c.args(words).arg(exe);
             c
         }
-        None => Command::new(&exe),
-    };
+        None => Command::new(exe),
+    }
+}
+
+/// A command that runs this test binary again as a child, to run the (ignored) test `test_name`.
+pub fn child_command(test_name: &str) -> Command {
+    let exe = std::env::current_exe().expect("test binary path");
+    let mut cmd = through_runner(&exe);
     cmd.args([
         test_name,
         "--exact",
@@ -27,6 +32,20 @@ pub fn child_command(test_name: &str) -> Command {
         "--include-ignored",
     ]);
     cmd
+}
+
+/// The example `name` as cargo builds it beside the test binaries (`cargo test`, or `cargo build --examples`
+/// for a cross target).
+pub fn built_example(name: &str) -> std::path::PathBuf {
+    let deps = std::env::current_exe().expect("test binary path");
+    let exe = deps
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("examples")
+        .join(name);
+    assert!(exe.exists(), "{} not built", exe.display());
+    exe
 }
 
 /// Multiplier for loop sizes: heavy tests shrink under emulation by setting `EDGE_INBOX_TEST_SCALE`
