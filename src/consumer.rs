@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::ack_queue::AckQueue;
+use crate::backlog::BacklogThreshold;
 use crate::error::{Error, Result};
 use crate::extract::{ExtractIdentity, Identity, Incoming, UserProperty};
 use crate::identity::Delivery;
@@ -64,6 +65,8 @@ pub struct RunSummary {
     pub connections: u64,
     /// Deliveries dropped unacked because their connection ended (the broker redelivers them).
     pub dropped_stale: u64,
+    /// Deliveries stored as pending ([`Consumer::receive_only`]), to be applied by workers.
+    pub stored: u64,
 }
 
 /// One received publish on its way to an ack.
@@ -100,6 +103,7 @@ pub struct Consumer {
     handler_attempts: u32,
     exit_when_idle: Option<Duration>,
     stop: StopHandle,
+    receive_only: Option<BacklogThreshold>,
 }
 
 impl std::fmt::Debug for Consumer {
@@ -136,6 +140,7 @@ impl Consumer {
             handler_attempts: 3,
             exit_when_idle: None,
             stop: StopHandle::default(),
+            receive_only: None,
         }
     }
 
@@ -150,6 +155,16 @@ impl Consumer {
     pub fn batch(mut self, size: usize, linger: Duration) -> Self {
         self.batch_size = size.max(1);
         self.linger = linger;
+        self
+    }
+
+    /// Received-then-deferred mode: each delivery is stored as a *pending* message
+    /// ([`Inbox::receive_batch_into`]) and acked once that commit is durable; the obligation moves from the
+    /// broker to the local store, and [`Worker`](crate::Worker)s apply the effects later. The handler given to
+    /// [`Consumer::run`] is not called in this mode. While it runs, the consumer checks the scope's backlog
+    /// about every 10 s and logs a warning beyond `backlog_warning` ([`Inbox::warn_if_backlogged`]).
+    pub fn receive_only(mut self, backlog_warning: BacklogThreshold) -> Self {
+        self.receive_only = Some(backlog_warning);
         self
     }
 
@@ -224,13 +239,23 @@ impl Consumer {
             rx,
             backlog: VecDeque::new(),
             user_stop: self.stop.clone(),
+            receive_only: self.receive_only.is_some(),
         };
         let mut batch: Vec<Pending> = Vec::with_capacity(batch_size);
         let mut last_activity = Instant::now();
         let mut connections_seen = 0;
+        let mut backlog_checked = Instant::now();
         loop {
             if self.stop.is_stopped() {
                 break;
+            }
+            if let Some(threshold) = &self.receive_only {
+                if backlog_checked.elapsed() >= Duration::from_secs(10) {
+                    backlog_checked = Instant::now();
+                    if let Err(e) = run.inbox.warn_if_backlogged(run.scope, threshold) {
+                        log::warn!("cannot read the backlog of scope {}: {e}", run.scope);
+                    }
+                }
             }
             match run.collect(&mut batch, batch_size, self.linger) {
                 Collected::Some => {
@@ -289,6 +314,7 @@ struct Run<'a> {
     /// Events drained from the channel while waiting to queue an ack, in arrival order.
     backlog: VecDeque<Event>,
     user_stop: StopHandle,
+    receive_only: bool,
 }
 
 impl Run<'_> {
@@ -379,6 +405,7 @@ impl Run<'_> {
             Outcome::Duplicate => self.summary.duplicates += 1,
             Outcome::Conflict { .. } => self.summary.conflicts += 1,
             Outcome::Expired { .. } => self.summary.quarantined += 1,
+            Outcome::Received => self.summary.stored += 1,
             // Handler failures are counted where they are retried.
             _ => {}
         }
@@ -442,8 +469,13 @@ impl Run<'_> {
             })
             .collect();
         let mut outcomes = std::mem::take(&mut self.outcomes);
+        let receive_only = self.receive_only;
         let committed = self.retry("commit", |inbox| {
-            inbox.process_batch_into(&deliveries, handler, &mut outcomes)
+            if receive_only {
+                inbox.receive_batch_into(&deliveries, &mut outcomes)
+            } else {
+                inbox.process_batch_into(&deliveries, handler, &mut outcomes)
+            }
         });
         if committed.is_none() {
             self.outcomes = outcomes;

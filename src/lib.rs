@@ -116,7 +116,9 @@
 //! [`Inbox::receive`] inserts the identity and a *pending* `messages` row with the payload in one durable
 //! transaction and returns [`Outcome::Received`]. Only then ack: the obligation has moved from the broker to
 //! the local store. A redelivery is a [`Outcome::Duplicate`] (ack it), the same id with other content a
-//! [`Outcome::Conflict`]. [`Inbox::receive_batch_into`] stores many in one commit.
+//! [`Outcome::Conflict`]. [`Inbox::receive_batch_into`] stores many in one commit. Over MQTT,
+//! `Consumer::receive_only` does exactly that for every batch, acks after the commit, and logs a warning
+//! when the scope's backlog grows past a threshold.
 //!
 //! A [`Worker`] (plain synchronous code: one per thread or per process, any number on one file) drains a scope:
 //!

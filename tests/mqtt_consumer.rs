@@ -529,3 +529,48 @@ fn a_batch_committed_after_its_connection_died_is_not_acked_and_its_redelivery_i
     assert_eq!(reserved(&db, SCOPE, "H-8"), i64::from(n));
     assert_eq!(drain(&broker, &db, "inv-stale", Protocol::V5).received, 0);
 }
+
+#[test]
+fn receive_only_stores_pending_acks_and_workers_apply_each_once() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    prime(&broker, &db, "inv-defer", Protocol::V5);
+    broker.publish_v5("orders/1", Some("evt-1"), &order(1, "R-1", 2, "created"));
+    broker.publish_v5("orders/2", Some("evt-2"), &order(2, "R-1", 1, "created"));
+    broker.publish_v5("orders/1", Some("evt-1"), &order(1, "R-1", 2, "created"));
+    broker.publish_v5("orders/3", Some("evt-3"), &order(3, "R-1", 4, "created"));
+
+    let never = |_: &mut edge_inbox::Tx<'_>, _: &edge_inbox::Delivery<'_>| -> anyhow::Result<()> {
+        panic!("the handler is not called in receive-only mode")
+    };
+    let mut c = consumer(&broker, &db, "inv-defer", Protocol::V5, Config::default())
+        .receive_only(edge_inbox::BacklogThreshold::default());
+    let s = c.run(never).unwrap();
+    assert_eq!(
+        (s.stored, s.duplicates, s.processed, s.acked),
+        (3, 1, 0, 4),
+        "{s:?}"
+    );
+    let inbox = c.into_inbox();
+    let b = inbox.backlog(SCOPE).unwrap();
+    assert_eq!(
+        b.pending, 3,
+        "acked, and a durable obligation remains: {b:?}"
+    );
+    assert_eq!(reserved(&db, SCOPE, "R-1"), 0, "nothing applied yet");
+    // Everything was acked: the broker redelivers nothing.
+    let again = drain(&broker, &db, "inv-defer", Protocol::V5);
+    assert_eq!(again.received, 0, "{again:?}");
+
+    // A worker applies each stored message once.
+    let mut worker =
+        edge_inbox::Worker::new(inbox, SCOPE, edge_inbox::WorkerConfig::default()).unwrap();
+    let mut handler = inventory_handler;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while worker.inbox().backlog(SCOPE).unwrap().pending > 0 {
+        assert!(std::time::Instant::now() < deadline, "worker did not drain");
+        worker.run_once(&mut handler).unwrap();
+    }
+    assert_eq!(reserved(&db, SCOPE, "R-1"), 7);
+}
