@@ -364,11 +364,16 @@ impl RelayLoop {
                     continue;
                 }
             };
+            let carried = leftover.len();
+            let marked_before = self.marked();
             let mut flight = Flight {
                 confirmed: std::mem::take(&mut leftover),
                 ..Flight::default()
             };
             let ended = self.connection(&link, &mut flight);
+            // Only a connection that got a row confirmed resets the backoff: one that drops each time a row
+            // is sent (a row the broker cannot take) must not reconnect in a tight loop.
+            let progressed = self.marked() > marked_before || flight.confirmed.len() > carried;
             link.close();
             // Marks that could not be written yet are kept for the next connection (resending them is
             // harmless, but needless).
@@ -382,7 +387,7 @@ impl RelayLoop {
                 }
                 Ended::Lost { was_connected } => {
                     self.bump(|s| s.connection_failures += 1);
-                    if was_connected {
+                    if was_connected && progressed {
                         backoff = FIRST_BACKOFF;
                     }
                     self.nap(backoff);
@@ -391,6 +396,10 @@ impl RelayLoop {
             }
         }
         log::info!("outbox relay stopped: {:?}", self.stats.lock().map(|s| *s));
+    }
+
+    fn marked(&self) -> u64 {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).marked
     }
 
     fn nap(&self, d: Duration) {
