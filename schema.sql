@@ -119,7 +119,8 @@ CREATE INDEX messages_open_by_key ON messages (scope_id, order_key, seq) WHERE s
 -- identity of the delivery that caused them. A relay publishes pending rows in seq order and marks a row sent
 -- only after the broker's PUBACK for it; a crash in between resends it, with the same (producer, message_id),
 -- which the next consumer deduplicates on.
--- state: 0 pending, 1 sent (PUBACK received, or written to the connection for QoS0).
+-- state: 0 pending, 1 sent (PUBACK received, or written to the connection for QoS0), 2 parked (the broker
+-- refused it too many times; kept for an operator, no longer holding back the rows after it).
 -- message_id is derived from the causing delivery's identity and the message's index within the handler call
 -- (see src/outbox.rs), so a retried handler writes the same ids. properties: CBOR (NULL when empty).
 -- attempts counts publishes the broker refused (a PUBACK with a failure reason code).
@@ -135,7 +136,7 @@ CREATE TABLE outbox (
     payload    BLOB    NOT NULL,
     qos        INTEGER NOT NULL CHECK (qos IN (0, 1)),
     properties BLOB,
-    state      INTEGER NOT NULL DEFAULT 0 CHECK (state IN (0, 1)),
+    state      INTEGER NOT NULL DEFAULT 0 CHECK (state IN (0, 1, 2)),
     attempts   INTEGER NOT NULL DEFAULT 0,
     created_at INTEGER NOT NULL,
     sent_at    INTEGER,

@@ -422,6 +422,9 @@ pub struct OutboxBacklog {
     pub sent: u64,
     /// Publishes the broker refused so far (PUBACK with a failure reason code), summed over pending rows.
     pub refusals: u64,
+    /// Messages parked after too many refusals ([`RelayConfig::max_refusals`](crate::RelayConfig)): kept,
+    /// not sent, until [`Inbox::requeue_parked_outbox`].
+    pub parked: u64,
 }
 
 /// One committed outbox message, as the relay reads it.
@@ -443,13 +446,14 @@ const PRUNE_CHUNK: i64 = 500;
 impl Inbox {
     /// Pending, oldest pending age and sent counts of the outbox (all scopes).
     pub fn outbox_backlog(&self) -> Result<OutboxBacklog> {
-        let (pending, oldest, sent, refusals) = self
+        let (pending, oldest, sent, refusals, parked) = self
             .conn
             .prepare_cached(
                 "SELECT (SELECT count(*) FROM outbox WHERE state = 0), \
                  (SELECT created_at FROM outbox WHERE state = 0 ORDER BY seq LIMIT 1), \
                  (SELECT count(*) FROM outbox WHERE state = 1), \
-                 (SELECT coalesce(sum(attempts), 0) FROM outbox WHERE state = 0)",
+                 (SELECT coalesce(sum(attempts), 0) FROM outbox WHERE state = 0), \
+                 (SELECT count(*) FROM outbox WHERE state = 2)",
             )?
             .query_row([], |r| {
                 Ok((
@@ -457,6 +461,7 @@ impl Inbox {
                     r.get::<_, Option<i64>>(1)?,
                     r.get::<_, i64>(2)?,
                     r.get::<_, i64>(3)?,
+                    r.get::<_, i64>(4)?,
                 ))
             })?;
         let now = unix_now();
@@ -466,7 +471,18 @@ impl Inbox {
                 .map(|at| Duration::from_secs(now.saturating_sub(at).max(0) as u64)),
             sent: sent as u64,
             refusals: refusals as u64,
+            parked: parked as u64,
         })
+    }
+
+    /// Puts every parked outbox message back to pending (refusal count reset), for the relay to try again once
+    /// the cause (an ACL, a topic the broker rejects) is fixed. Returns how many.
+    pub fn requeue_parked_outbox(&mut self) -> Result<u64> {
+        let n = self
+            .conn
+            .prepare_cached("UPDATE outbox SET state = 0, attempts = 0 WHERE state = 2")?
+            .execute([])?;
+        Ok(n as u64)
     }
 
     /// Deletes outbox messages confirmed (sent) more than `older_than` ago, in short transactions; returns
@@ -501,7 +517,7 @@ impl Inbox {
     }
 
     /// Whether the outbox message `message_id` of `producer` was confirmed: `Some(true)` sent, `Some(false)`
-    /// pending, `None` not in the outbox (never written, or pruned).
+    /// not yet (pending, or parked after refusals), `None` not in the outbox (never written, or pruned).
     pub fn outbox_status(&self, producer: &str, message_id: &str) -> Result<Option<bool>> {
         Ok(self
             .conn
@@ -570,11 +586,18 @@ impl Inbox {
         }
     }
 
-    /// Counts a publish the broker refused.
-    pub(crate) fn outbox_refused(&mut self, seq: i64) -> Result<()> {
-        self.conn
-            .prepare_cached("UPDATE outbox SET attempts = attempts + 1 WHERE seq = ?1")?
-            .execute([seq])?;
-        Ok(())
+    /// Counts a publish the broker refused; parks the row once it was refused `max_refusals` times, so it no
+    /// longer holds back the rows after it. True when it was parked now.
+    pub(crate) fn outbox_refused(&mut self, seq: i64, max_refusals: u32) -> Result<bool> {
+        let state: Option<i64> = self
+            .conn
+            .prepare_cached(
+                "UPDATE outbox SET attempts = attempts + 1, \
+                 state = CASE WHEN attempts + 1 >= ?2 THEN 2 ELSE state END \
+                 WHERE seq = ?1 AND state = 0 RETURNING state",
+            )?
+            .query_row((seq, max_refusals), |r| r.get(0))
+            .optional()?;
+        Ok(state == Some(2))
     }
 }

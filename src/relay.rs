@@ -30,6 +30,7 @@ pub struct RelayConfig {
     poll: Duration,
     max_backoff: Duration,
     drain: Duration,
+    max_refusals: u32,
 }
 
 impl Default for RelayConfig {
@@ -38,6 +39,7 @@ impl Default for RelayConfig {
             inflight: 32,
             poll: Duration::from_millis(50),
             max_backoff: Duration::from_secs(5),
+            max_refusals: 5,
             drain: Duration::from_secs(2),
         }
     }
@@ -48,6 +50,15 @@ impl RelayConfig {
     /// lowers it further.
     pub fn inflight(mut self, window: u16) -> Self {
         self.inflight = window.max(1);
+        self
+    }
+
+    /// How many times the broker may refuse one message (a PUBACK with a failure reason code, e.g. not
+    /// authorised) before it is parked: kept in the outbox, counted in
+    /// [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding back the messages after it, until
+    /// [`Inbox::requeue_parked_outbox`]. Default 5.
+    pub fn max_refusals(mut self, refusals: u32) -> Self {
+        self.max_refusals = refusals.max(1);
         self
     }
 
@@ -470,8 +481,14 @@ impl RelayLoop {
                                 "the broker refused outbox message seq {seq}; it stays pending and is sent \
                                  again after a backoff"
                             );
-                            if self.inbox.outbox_refused(seq).is_err() {
-                                self.bump(|s| s.storage_errors += 1);
+                            match self.inbox.outbox_refused(seq, self.config.max_refusals) {
+                                Ok(true) => log::error!(
+                                    "outbox message seq {seq} refused {} times: parked for an operator \
+                                     (Inbox::requeue_parked_outbox); the messages after it go on",
+                                    self.config.max_refusals
+                                ),
+                                Ok(false) => {}
+                                Err(_) => self.bump(|s| s.storage_errors += 1),
                             }
                             // Start over from the oldest pending row, after a backoff, keeping the order.
                             return Ended::Refused;

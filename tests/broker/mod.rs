@@ -54,6 +54,23 @@ impl Broker {
         b
     }
 
+    /// A broker that applies `acl` (mosquitto's acl_file syntax) to anonymous clients.
+    pub fn start_with_acl(acl: &str) -> Broker {
+        let dir = tempfile::tempdir().unwrap();
+        let acl_path = dir.path().join("acl");
+        std::fs::write(&acl_path, acl).unwrap();
+        let mut b = Broker {
+            port: free_port(),
+            extra: format!("acl_file {}\n", acl_path.display()),
+            dir,
+            child: None,
+            max_inflight: 20,
+            verbose: false,
+        };
+        b.spawn();
+        b
+    }
+
     /// A broker that logs every packet (to check ack order from the broker's side).
     pub fn start_verbose(max_inflight: u16) -> Broker {
         let dir = tempfile::tempdir().unwrap();
@@ -80,7 +97,7 @@ impl Broker {
              autosave_interval 1\nmax_inflight_messages {}\nmax_queued_messages 100000\n\
              log_dest file {}/mosquitto.log\nlog_type error\nlog_type warning\nlog_type notice\n",
             self.port,
-            self.extra.is_empty(),
+            !self.extra.contains("password_file"),
             self.dir.path().display(),
             self.max_inflight,
             self.dir.path().display()
