@@ -12,7 +12,7 @@ use crate::error::{extended_code, Error, Result};
 /// The current schema, as a new database gets it.
 pub(crate) const SCHEMA: &str = include_str!("../schema.sql");
 
-/// Version of [`SCHEMA`], stored in `PRAGMA user_version`.
+/// Version of the schema in `schema.sql` that this build creates and reads, stored in `PRAGMA user_version`.
 pub const SCHEMA_VERSION: i64 = 1;
 
 /// Forward migrations: `MIGRATIONS[i]` takes a database from version `i + 1` to `i + 2`.
