@@ -17,11 +17,12 @@
 //! conflicting reuse of an id and a message without an id included.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use edge_inbox::{Config, Consumer, Delivery, Inbox, MqttConfig, Tx};
+
+mod support;
 
 const SCOPE: &str = "inventory-reservation";
 
@@ -159,7 +160,7 @@ fn demo(db: Option<PathBuf>) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
     let db = db.unwrap_or_else(|| dir.path().join("inventory.db"));
-    let broker = Mosquitto::start(dir.path())?;
+    let broker = support::Mosquitto::start(dir.path())?;
     let addr = format!("127.0.0.1:{}", broker.port);
     eprintln!("mosquitto on {addr}, inbox {}", db.display());
     let run = RunArgs {
@@ -195,7 +196,7 @@ fn demo(db: Option<PathBuf>) -> anyhow::Result<()> {
         ("orders/45", None, created(45, "A-1", 9)),
         ("orders/46", Some("evt-46-created"), created(46, "A-1", 2)),
     ];
-    publish(broker.port, &events)?;
+    support::publish(broker.port, "inventory-demo-publisher", &events)?;
     eprintln!("published {} events; consuming until idle", events.len());
     let run = RunArgs {
         exit_when_idle: Some(2),
@@ -205,88 +206,4 @@ fn demo(db: Option<PathBuf>) -> anyhow::Result<()> {
     eprintln!("this run: {summary:?}");
     println!("{}", report(&db)?);
     Ok(())
-}
-
-fn publish(port: u16, events: &[(&str, Option<&str>, String)]) -> anyhow::Result<()> {
-    use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
-    use rumqttc::v5::mqttbytes::QoS;
-    use rumqttc::v5::{Client, Event, MqttOptions};
-    let (client, mut conn) = Client::new(
-        MqttOptions::new("inventory-demo-publisher", "127.0.0.1", port),
-        32,
-    );
-    for (topic, id, body) in events {
-        let mut props = PublishProperties::default();
-        if let Some(id) = id {
-            props
-                .user_properties
-                .push(("message-id".into(), id.to_string()));
-        }
-        client.publish_with_properties(*topic, QoS::AtLeastOnce, false, body.clone(), props)?;
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut acked = 0;
-    while acked < events.len() {
-        if Instant::now() > deadline {
-            bail!(
-                "the broker acknowledged only {acked} of {} events",
-                events.len()
-            );
-        }
-        match conn.recv_timeout(Duration::from_millis(200)) {
-            Ok(Ok(Event::Incoming(Packet::PubAck(_)))) => acked += 1,
-            Ok(Err(e)) => bail!("publisher: {e}"),
-            _ => {}
-        }
-    }
-    let _ = client.disconnect();
-    Ok(())
-}
-
-/// A mosquitto on a free loopback port, killed on drop.
-struct Mosquitto {
-    child: Child,
-    port: u16,
-}
-
-impl Mosquitto {
-    fn start(dir: &Path) -> anyhow::Result<Mosquitto> {
-        let exe = std::env::var_os("PATH")
-            .into_iter()
-            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-            .map(|d| d.join("mosquitto"))
-            .find(|p| p.is_file())
-            .unwrap_or_else(|| PathBuf::from("/usr/sbin/mosquitto"));
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let conf = dir.join("mosquitto.conf");
-        std::fs::write(
-            &conf,
-            format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
-        )?;
-        let child = Command::new(&exe)
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("cannot start {}", exe.display()))?;
-        let broker = Mosquitto { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if Instant::now() > deadline {
-                bail!("mosquitto did not start listening on {port}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(broker)
-    }
-}
-
-impl Drop for Mosquitto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }

@@ -11,14 +11,14 @@
 //!
 //! The broker delivers order 42 twice: the reservation, and its announcement, happen once.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use edge_inbox::{Config, Consumer, Delivery, Inbox, MqttConfig, OutboxProperties, Qos, Relay, Tx};
+
+mod support;
 
 const SCOPE: &str = "inventory-reservation";
 
@@ -49,7 +49,7 @@ fn main() -> anyhow::Result<()> {
     // Started as root, mosquitto drops to its own user; it only needs to read its config here.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
-    let broker = Mosquitto::start(dir.path())?;
+    let broker = support::Mosquitto::start(dir.path())?;
     let db = dir.path().join("gateway.db");
     // The producer namespace downstream consumers see; by default it would be the scope.
     let config = Config::default().outbox_producer("gateway-7");
@@ -77,14 +77,15 @@ fn main() -> anyhow::Result<()> {
     let created = |order: u32, sku: &str, qty: u32| {
         format!(r#"{{"order":{order},"sku":"{sku}","qty":{qty}}}"#)
     };
-    publish(
+    support::publish(
         broker.port,
+        "outbox-demo-publisher",
         &[
-            ("orders/42", "evt-42-created", created(42, "A-1", 1)),
-            ("orders/43", "evt-43-created", created(43, "A-1", 2)),
+            ("orders/42", Some("evt-42-created"), created(42, "A-1", 1)),
+            ("orders/43", Some("evt-43-created"), created(43, "A-1", 2)),
             // The broker redelivers 42 (our PUBACK was lost): not reserved, not announced again.
-            ("orders/42", "evt-42-created", created(42, "A-1", 1)),
-            ("orders/44", "evt-44-created", created(44, "B-7", 1)),
+            ("orders/42", Some("evt-42-created"), created(42, "A-1", 1)),
+            ("orders/44", Some("evt-44-created"), created(44, "B-7", 1)),
         ],
     )?;
     let summary = consumer()?
@@ -185,87 +186,5 @@ impl Subscriber {
         self.stop.store(true, Ordering::Relaxed);
         let _ = self.thread.join();
         self.received.load(Ordering::SeqCst)
-    }
-}
-
-fn publish(port: u16, events: &[(&str, &str, String)]) -> anyhow::Result<()> {
-    use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
-    use rumqttc::v5::mqttbytes::QoS;
-    use rumqttc::v5::{Client, Event, MqttOptions};
-    let (client, mut conn) = Client::new(
-        MqttOptions::new("outbox-demo-publisher", "127.0.0.1", port),
-        32,
-    );
-    for (topic, id, body) in events {
-        let mut props = PublishProperties::default();
-        props
-            .user_properties
-            .push(("message-id".into(), id.to_string()));
-        client.publish_with_properties(*topic, QoS::AtLeastOnce, false, body.clone(), props)?;
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut acked = 0;
-    while acked < events.len() {
-        if Instant::now() > deadline {
-            bail!(
-                "the broker acknowledged only {acked} of {} events",
-                events.len()
-            );
-        }
-        match conn.recv_timeout(Duration::from_millis(200)) {
-            Ok(Ok(Event::Incoming(Packet::PubAck(_)))) => acked += 1,
-            Ok(Err(e)) => bail!("publisher: {e}"),
-            _ => {}
-        }
-    }
-    let _ = client.disconnect();
-    Ok(())
-}
-
-/// A mosquitto on a free loopback port, killed on drop.
-struct Mosquitto {
-    child: Child,
-    port: u16,
-}
-
-impl Mosquitto {
-    fn start(dir: &Path) -> anyhow::Result<Mosquitto> {
-        let exe = std::env::var_os("PATH")
-            .into_iter()
-            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-            .map(|d| d.join("mosquitto"))
-            .find(|p| p.is_file())
-            .unwrap_or_else(|| PathBuf::from("/usr/sbin/mosquitto"));
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let conf = dir.join("mosquitto.conf");
-        std::fs::write(
-            &conf,
-            format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
-        )?;
-        let child = Command::new(&exe)
-            .arg("-c")
-            .arg(&conf)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("cannot start {}", exe.display()))?;
-        let broker = Mosquitto { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if Instant::now() > deadline {
-                bail!("mosquitto did not start listening on {port}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(broker)
-    }
-}
-
-impl Drop for Mosquitto {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
