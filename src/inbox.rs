@@ -3,18 +3,18 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use rusqlite::{Connection, OptionalExtension};
 
-use crate::config::Config;
-use crate::db::Db;
-use crate::error::{extended_code, Error, Result};
-use crate::identity::{Delivery, Fingerprint, IdHash};
-use crate::outcome::{MessageState, Outcome, Status};
 use crate::retention::{self, RetentionState, ScopeRules};
-use crate::schema;
-use crate::state::{is_storage_failure, Tx};
+use crate::store::config::{Config, OutboxSettings};
+use crate::store::db::Db;
+use crate::store::error::{extended_code, Error, Result};
+use crate::store::identity::{Delivery, Fingerprint, IdHash};
+use crate::store::outcome::{MessageState, Outcome, Status};
+use crate::store::schema;
+use crate::store::state::{is_storage_failure, Tx};
+use crate::store::txn::{begin, commit, release, unix_now};
 
 /// A handler: applies one delivery's effect inside the open transaction.
 ///
@@ -72,7 +72,7 @@ impl Inbox {
             schema::open(path, &config)?,
             config.synchronous.pragma_value(),
         )?;
-        conn.outbox = crate::outbox::OutboxSettings::from_config(&config);
+        conn.outbox = OutboxSettings::from_config(&config);
         conn.slow_commit = config.slow_commit;
         Ok(Inbox {
             conn,
@@ -340,95 +340,6 @@ impl Inbox {
     }
 }
 
-pub(crate) fn unix_now() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0)
-}
-
-/// Starts a write transaction: rolls back one left open by an interrupted call (a handler that panicked),
-/// puts the connection at the durability this transaction needs, then `BEGIN IMMEDIATE`.
-pub(crate) fn begin(conn: &Db) -> Result<()> {
-    if !conn.is_autocommit() {
-        log::warn!("rolling back a transaction left open by an earlier, interrupted call");
-        conn.execute_batch("ROLLBACK")?;
-    }
-    conn.prepare_level()?;
-    conn.begin_immediate()?;
-    Ok(())
-}
-
-/// `COMMIT`, its failure classified by the extended result code: a refused constraint, a busy database or a
-/// full disk leave nothing committed; any other failure (I/O above all) leaves the outcome unknown.
-pub(crate) fn commit(conn: &Db) -> Result<()> {
-    let started = conn.slow_commit.map(|_| std::time::Instant::now());
-    conn.commit_raw().map_err(|e| {
-        let code = extended_code(&e).unwrap_or(-1);
-        match code & 0xff {
-            rusqlite::ffi::SQLITE_CONSTRAINT => Error::CommitRefused { code, source: e },
-            rusqlite::ffi::SQLITE_BUSY | rusqlite::ffi::SQLITE_LOCKED | rusqlite::ffi::SQLITE_FULL => Error::from(e),
-            _ => {
-                log::warn!(
-                    "COMMIT failed with SQLite code {code}: outcome unknown until the identity is looked up"
-                );
-                Error::CommitUnknown { code, source: e }
-            }
-        }
-    })?;
-    if let (Some(started), Some(threshold)) = (started, conn.slow_commit) {
-        let took = started.elapsed();
-        if took >= threshold {
-            log::warn!("slow commit: COMMIT took {took:?} (warning threshold {threshold:?})");
-        }
-    }
-    if conn.wal_unlinked() {
-        return rescue_unlinked_wal(conn);
-    }
-    Ok(())
-}
-
-/// The WAL was deleted while open: the commit just made (and every frame not yet checkpointed) is only in the
-/// unlinked file, which a crash would take with it. Copy it all into the database file (a FULL checkpoint,
-/// fsynced) before reporting success; if that cannot be done, the outcome is not durable: `CommitUnknown`.
-#[cold]
-fn rescue_unlinked_wal(conn: &Db) -> Result<()> {
-    let unknown = |code: i32, why: &str| Error::CommitUnknown {
-        code,
-        source: rusqlite::Error::SqliteFailure(
-            rusqlite::ffi::Error::new(code),
-            Some(why.to_owned()),
-        ),
-    };
-    let result = conn.query_row("PRAGMA wal_checkpoint(FULL)", [], |r| {
-        Ok((
-            r.get::<_, i64>(0)?,
-            r.get::<_, i64>(1)?,
-            r.get::<_, i64>(2)?,
-        ))
-    });
-    match result {
-        Ok((0, log, done)) if log == done => {
-            log::error!(
-                "the WAL file was deleted while the inbox was open: committed frames were checkpointed into the \
-                 database file; reopen the inbox to get a new WAL"
-            );
-            Ok(())
-        }
-        Ok(_) => Err(unknown(
-            rusqlite::ffi::SQLITE_BUSY,
-            "the WAL file was deleted and the rescue checkpoint could not complete",
-        )),
-        Err(e) => {
-            let code = extended_code(&e).unwrap_or(rusqlite::ffi::SQLITE_IOERR);
-            log::error!(
-                "the WAL file was deleted and the rescue checkpoint failed (SQLite code {code})"
-            );
-            Err(Error::CommitUnknown { code, source: e })
-        }
-    }
-}
-
 fn flush_counts(conn: &Db, counts: &[Counts]) -> Result<()> {
     for c in counts {
         conn.add_counts(
@@ -520,7 +431,7 @@ pub(crate) fn claim_identity(
     {
         // Outside the watermark's range (below `first`, above i64::MAX), identity rows apply as usual.
         if seq >= first && seq <= i64::MAX as u64 {
-            return crate::watermark::claim(conn, scope_id, producer, seq, first as i64);
+            return crate::retention::watermark::claim(conn, scope_id, producer, seq, first as i64);
         }
     }
     let id_hash = d.id_hash();
@@ -543,11 +454,6 @@ pub(crate) fn claim_identity(
 /// row small).
 pub(crate) fn identity_day(unix_seconds: i64) -> i64 {
     unix_seconds.div_euclid(86_400)
-}
-
-pub(crate) fn release(conn: &Db) -> Result<()> {
-    conn.release()?;
-    Ok(())
 }
 
 /// The identity exists: a duplicate if the content matches, else a recorded conflict.

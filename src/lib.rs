@@ -1,3 +1,14 @@
+// Source layout, lowest layer first; a file imports only from its own layer or below, and no files import each
+// other in a circle (`.ci/check-layers` checks both). `store/` is the storage layer: the connection and its hot
+// statements, schema and migrations, the transaction primitives and clock (`txn.rs`), errors, config, identity,
+// outcome and the handler's `Tx`; it imports nothing above it. `retention/mod.rs` and `retention/watermark.rs`
+// hold the rules the identity claim applies. `inbox.rs` is the strong case, where a delivery's path reads
+// top-down: identity claim, transaction, handler, commit. The features add `impl Inbox` blocks on top of it:
+// `deferred/` (receive, workers, backlog, dead letters, requeue), `outbox.rs`, `retention/prune.rs` (policies,
+// watermarks, pruning). Highest are `mqtt/` (connection, consumer, in-order acks, relay; identity extraction is
+// plain data and built without the `mqtt` feature), where the ack follows the commit, and `inspect/` with the
+// durable counters. The `pub use` list below is the whole public surface; the folders stay private.
+
 //! # edge-inbox
 //!
 //! An embedded, SQLite-backed inbox that lets an IoT gateway consume MQTT QoS1 deliveries
@@ -408,56 +419,36 @@
 #![deny(missing_docs)]
 #![warn(rust_2018_idioms)]
 
-#[cfg(feature = "mqtt")]
-mod ack_queue;
-mod backlog;
-mod config;
-#[cfg(feature = "mqtt")]
-mod consumer;
-mod db;
-mod dead_letter;
 mod deferred;
-mod error;
-mod extract;
-mod identity;
 mod inbox;
 pub mod inspect;
-#[cfg(feature = "mqtt")]
-mod mqtt_conn;
+mod mqtt;
 mod outbox;
-mod outcome;
-#[cfg(feature = "mqtt")]
-mod relay;
-mod requeue;
 mod retention;
-mod schema;
-mod state;
-mod stats;
-mod watermark;
-mod worker;
+mod store;
 
-pub use crate::backlog::{Backlog, BacklogThreshold};
-pub use crate::config::{Config, Limits, Synchronous};
-#[cfg(feature = "mqtt")]
-pub use crate::consumer::{Consumer, RunSummary, StopHandle};
-pub use crate::error::{Error, InvalidDelivery, Result};
-pub use crate::extract::{Envelope, ExtractIdentity, Identity, Incoming, UserProperty};
-pub use crate::identity::{Delivery, Fingerprint, IdHash};
+pub use crate::deferred::backlog::{Backlog, BacklogThreshold};
+pub use crate::deferred::requeue::DeadLetter;
+pub use crate::deferred::worker::{Claim, Completion, Drained, Worker, WorkerConfig};
 pub use crate::inbox::{Handler, Inbox};
+pub use crate::inspect::stats::ScopeStats;
 pub use crate::inspect::{FileSizes, ScopeReport};
 #[cfg(feature = "mqtt")]
-pub use crate::mqtt_conn::{MqttConfig, Protocol, Tls};
-pub use crate::outbox::{outbox_message_id, OutboxBacklog, OutboxProperties, Qos};
-pub use crate::outcome::{MessageState, Outcome, Status};
+pub use crate::mqtt::conn::{MqttConfig, Protocol, Tls};
 #[cfg(feature = "mqtt")]
-pub use crate::relay::{Relay, RelayConfig, RelayStats};
-pub use crate::requeue::DeadLetter;
+pub use crate::mqtt::consumer::{Consumer, RunSummary, StopHandle};
+pub use crate::mqtt::extract::{Envelope, ExtractIdentity, Identity, Incoming, UserProperty};
+#[cfg(feature = "mqtt")]
+pub use crate::mqtt::relay::{Relay, RelayConfig, RelayStats};
+pub use crate::outbox::{outbox_message_id, OutboxBacklog, OutboxProperties, Qos};
+pub use crate::retention::watermark::Watermark;
 pub use crate::retention::{versioned_scope, ExpiredPolicy, PruneReport, Pruning, RetentionPolicy};
-pub use crate::schema::{open_read_only, SCHEMA_VERSION};
-pub use crate::state::Tx;
-pub use crate::stats::ScopeStats;
-pub use crate::watermark::Watermark;
-pub use crate::worker::{Claim, Completion, Drained, Worker, WorkerConfig};
+pub use crate::store::config::{Config, Limits, Synchronous};
+pub use crate::store::error::{Error, InvalidDelivery, Result};
+pub use crate::store::identity::{Delivery, Fingerprint, IdHash};
+pub use crate::store::outcome::{MessageState, Outcome, Status};
+pub use crate::store::schema::{open_read_only, SCHEMA_VERSION};
+pub use crate::store::state::Tx;
 
 /// The rusqlite version this crate is built against, for handlers that use [`Tx::sql`].
 pub use rusqlite;

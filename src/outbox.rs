@@ -8,10 +8,11 @@ use rusqlite::OptionalExtension;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3Default;
 
-use crate::config::{Config, Limits};
-use crate::error::{is_unique_violation, Error, Result};
-use crate::inbox::{unix_now, Inbox};
-use crate::state::Tx;
+use crate::inbox::Inbox;
+use crate::store::config::Limits;
+use crate::store::error::{is_unique_violation, Error, Result};
+use crate::store::state::Tx;
+use crate::store::txn::unix_now;
 
 /// User property names the relay sets itself; a message may not carry its own.
 pub(crate) const RESERVED_PROPERTIES: [&str; 2] = ["message-id", "producer"];
@@ -172,22 +173,6 @@ pub fn outbox_message_id(
     format!("{:032x}", h.digest128())
 }
 
-/// What outbox writes need from the inbox configuration, kept beside the connection.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct OutboxSettings {
-    producer: Option<String>,
-    limits: Limits,
-}
-
-impl OutboxSettings {
-    pub(crate) fn from_config(config: &Config) -> OutboxSettings {
-        OutboxSettings {
-            producer: config.outbox_producer.clone(),
-            limits: config.limits,
-        }
-    }
-}
-
 /// The MQTT limit on a topic name, whatever the configured one.
 const MQTT_MAX_TOPIC: usize = 65_535;
 
@@ -316,6 +301,8 @@ impl Tx<'_> {
     /// assert_eq!(inbox.outbox_backlog()?.pending, 1);
     /// # Ok(()) }
     /// ```
+    ///
+    /// [`Config::outbox_producer`]: crate::Config::outbox_producer
     pub fn publish(
         &self,
         topic: &str,
@@ -493,7 +480,7 @@ impl Inbox {
         let before = unix_now().saturating_sub(older_than.as_secs().min(i64::MAX as u64) as i64);
         let mut total = 0u64;
         loop {
-            crate::inbox::begin(&self.conn)?;
+            crate::store::txn::begin(&self.conn)?;
             let deleted = self
                 .conn
                 .prepare_cached(
@@ -508,7 +495,7 @@ impl Inbox {
                     return Err(e.into());
                 }
             };
-            crate::inbox::commit(&self.conn)?;
+            crate::store::txn::commit(&self.conn)?;
             total += deleted as u64;
             if (deleted as i64) < PRUNE_CHUNK {
                 return Ok(total);
@@ -567,7 +554,7 @@ impl Inbox {
             return Ok(());
         }
         let now = unix_now();
-        crate::inbox::begin(&self.conn)?;
+        crate::store::txn::begin(&self.conn)?;
         let result = (|| -> rusqlite::Result<()> {
             let mut stmt = self.conn.prepare_cached(
                 "UPDATE outbox SET state = 1, sent_at = ?2 WHERE seq = ?1 AND state = 0",
@@ -578,7 +565,7 @@ impl Inbox {
             Ok(())
         })();
         match result {
-            Ok(()) => crate::inbox::commit(&self.conn),
+            Ok(()) => crate::store::txn::commit(&self.conn),
             Err(e) => {
                 let _ = self.conn.execute_batch("ROLLBACK");
                 Err(e.into())

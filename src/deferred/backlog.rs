@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use crate::deferred::unix_now_ms;
-use crate::error::Result;
 use crate::inbox::Inbox;
+use crate::store::error::Result;
+use crate::store::txn::unix_now_ms;
 
 /// A snapshot of one scope's deferred work, from [`Inbox::backlog`]. One read transaction: the numbers agree.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -1,9 +1,10 @@
 //! Dead letters: a delivery the handler keeps refusing is kept, with its reason, instead of being retried forever.
 
-use crate::error::Result;
-use crate::identity::Delivery;
-use crate::inbox::{begin, claim_identity, commit, unix_now, Inbox};
-use crate::outcome::{MessageState, Outcome};
+use crate::inbox::{claim_identity, Inbox};
+use crate::store::error::Result;
+use crate::store::identity::Delivery;
+use crate::store::outcome::{MessageState, Outcome};
+use crate::store::txn::{begin, commit, unix_now};
 
 impl Inbox {
     /// Moves a delivery to the dead letters: in one `BEGIN IMMEDIATE` transaction claims its identity and

@@ -1,14 +1,13 @@
 //! Received-then-deferred mode, receive side: store the delivery as a pending message and commit, so it may be
 //! acked before its effect is applied. Workers ([`crate::Worker`]) apply it later.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use rusqlite::Connection;
 
-use crate::error::{is_unique_violation, Error, InvalidDelivery, Result};
-use crate::identity::Delivery;
-use crate::inbox::{begin, claim_identity, commit, unix_now, Inbox};
-use crate::outcome::Outcome;
+use crate::inbox::{claim_identity, Inbox};
+use crate::store::error::{is_unique_violation, Error, InvalidDelivery, Result};
+use crate::store::identity::Delivery;
+use crate::store::outcome::Outcome;
+use crate::store::txn::{begin, commit, unix_now};
 
 /// Duplicate and conflict counts of one receive transaction, per scope.
 #[derive(Clone, Copy)]
@@ -216,12 +215,4 @@ fn store_pending(
         }
         Err(e) => Err(e.into()),
     }
-}
-
-/// Wall-clock Unix milliseconds: leases and backoff need sub-second precision.
-pub(crate) fn unix_now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }

@@ -1,7 +1,8 @@
 //! Dead letters of the received-then-deferred mode: listing them and putting them back to work.
 
-use crate::error::Result;
-use crate::inbox::{begin, commit, Inbox};
+use crate::inbox::Inbox;
+use crate::store::error::Result;
+use crate::store::txn::{begin, commit};
 
 /// A dead-lettered message, as listed by [`Inbox::dead_letters`].
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -17,12 +17,13 @@ use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 
-use crate::config::Config;
-use crate::db::Db;
-use crate::deferred::unix_now_ms;
-use crate::error::{Error, Result};
-use crate::identity::{Delivery, Fingerprint, IdHash};
-use crate::inbox::{begin, commit, release, run_handler, Handler, Inbox};
+use crate::inbox::{run_handler, Handler, Inbox};
+use crate::store::config::Config;
+use crate::store::db::Db;
+use crate::store::error::{Error, Result};
+use crate::store::identity::{Delivery, Fingerprint, IdHash};
+use crate::store::txn::unix_now_ms;
+use crate::store::txn::{begin, commit, release};
 
 /// Longest `last_error` text kept per message.
 const MAX_ERROR_LEN: usize = 2048;

@@ -10,12 +10,14 @@ use std::path::Path;
 use rusqlite::{Connection, OptionalExtension, Row};
 use serde::{Serialize, Serializer};
 
-use crate::deferred::unix_now_ms;
-use crate::error::{Error, Result};
-use crate::identity::{Fingerprint, IdHash};
 use crate::inbox::{status, Inbox};
-use crate::outcome::{MessageState, Status};
-use crate::schema::SCHEMA_VERSION;
+use crate::store::error::{Error, Result};
+use crate::store::identity::{Fingerprint, IdHash};
+use crate::store::outcome::{MessageState, Status};
+use crate::store::schema::SCHEMA_VERSION;
+use crate::store::txn::unix_now_ms;
+
+pub(crate) mod stats;
 
 const DAY: i64 = 86_400;
 

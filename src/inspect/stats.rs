@@ -2,8 +2,8 @@
 
 use rusqlite::{Connection, OptionalExtension};
 
-use crate::error::Result;
 use crate::inbox::Inbox;
+use crate::store::error::Result;
 
 /// Counters of one scope, read from the database: they are updated in the same transactions as the
 /// outcomes they count, so they survive restarts and agree with the committed state.

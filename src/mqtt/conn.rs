@@ -11,7 +11,7 @@ use rumqttc::v5::mqttbytes::v5 as p5;
 use rumqttc::v5::mqttbytes::QoS as Q5;
 use rumqttc::{QoS, TlsConfiguration, Transport};
 
-use crate::extract::Incoming;
+use crate::mqtt::extract::Incoming;
 
 /// MQTT protocol version spoken to the broker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -7,14 +7,14 @@ use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::ack_queue::AckQueue;
-use crate::backlog::BacklogThreshold;
-use crate::error::{Error, Result};
-use crate::extract::{ExtractIdentity, Identity, Incoming, UserProperty};
-use crate::identity::Delivery;
+use crate::deferred::backlog::BacklogThreshold;
 use crate::inbox::{Handler, Inbox};
-use crate::mqtt_conn::{self, AckToken, Client, Event, MqttConfig, Protocol, Shared};
-use crate::outcome::Outcome;
+use crate::mqtt::ack_queue::AckQueue;
+use crate::mqtt::conn::{self as mqtt_conn, AckToken, Client, Event, MqttConfig, Protocol, Shared};
+use crate::mqtt::extract::{ExtractIdentity, Identity, Incoming, UserProperty};
+use crate::store::error::{Error, Result};
+use crate::store::identity::Delivery;
+use crate::store::outcome::Outcome;
 
 /// Asks a running [`Consumer`] to stop: it finishes the batch in flight (commit, then acks), disconnects
 /// and returns from [`Consumer::run`]. Cheap to clone; usable from any thread or a signal handler flag.
@@ -127,7 +127,7 @@ impl Consumer {
     /// tried 3 times.
     pub fn new(inbox: Inbox, scope: impl Into<String>, mqtt: MqttConfig) -> Consumer {
         let extractor: Box<dyn ExtractIdentity> = match mqtt.protocol {
-            Protocol::V311 => Box::new(crate::extract::Envelope::default()),
+            Protocol::V311 => Box::new(crate::mqtt::extract::Envelope::default()),
             _ => Box::new(UserProperty::default()),
         };
         Consumer {

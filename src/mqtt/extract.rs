@@ -4,7 +4,7 @@
 
 use ciborium::Value;
 
-use crate::error::InvalidDelivery;
+use crate::store::error::InvalidDelivery;
 
 /// One QoS1 publish as received, owned, before its identity is known.
 #[derive(Debug, Clone, PartialEq, Eq)]

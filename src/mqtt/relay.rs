@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 use rumqttc::v5::mqttbytes::v5::{PubAckReason, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS as Q5;
 
-use crate::consumer::StopHandle;
-use crate::error::{Error, Result};
 use crate::inbox::Inbox;
-use crate::mqtt_conn::{MqttConfig, Protocol};
+use crate::mqtt::conn::{MqttConfig, Protocol};
+use crate::mqtt::consumer::StopHandle;
 use crate::outbox::Qos;
+use crate::store::error::{Error, Result};
 
 /// Settings of a [`Relay`]. Start from [`RelayConfig::default`].
 ///

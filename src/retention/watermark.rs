@@ -14,11 +14,12 @@
 
 use rusqlite::{Connection, OptionalExtension};
 
-use crate::error::{is_unique_violation, Error, Result};
-use crate::inbox::Inbox;
-use crate::outcome::Outcome;
+use crate::store::error::{is_unique_violation, Error, Result};
+use crate::store::outcome::Outcome;
 
 /// What is recorded for one producer of a watermark scope; see [`Inbox::watermark`].
+///
+/// [`Inbox::watermark`]: crate::Inbox::watermark
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct Watermark {
@@ -27,30 +28,6 @@ pub struct Watermark {
     /// Processed sequences above `high + 1`, in ascending order (arrived out of order; they fold into `high`
     /// once the gap before them closes).
     pub exceptions: Vec<u64>,
-}
-
-impl Inbox {
-    /// The sequence watermark recorded for `producer` in `scope` (empty when nothing is recorded).
-    pub fn watermark(&mut self, scope: &str, producer: &str) -> Result<Watermark> {
-        let scope_id = self.scope_id(scope)?;
-        let high: Option<i64> = self
-            .conn
-            .prepare_cached("SELECT high FROM watermarks WHERE scope_id = ?1 AND producer = ?2")?
-            .query_row((scope_id, producer), |r| r.get(0))
-            .optional()?;
-        let mut stmt = self.conn.prepare_cached(
-            "SELECT sequence FROM watermark_exceptions WHERE scope_id = ?1 AND producer = ?2 ORDER BY sequence",
-        )?;
-        let exceptions = stmt
-            .query_map((scope_id, producer), |r| {
-                r.get::<_, i64>(0).map(|s| s as u64)
-            })?
-            .collect::<rusqlite::Result<Vec<u64>>>()?;
-        Ok(Watermark {
-            high: high.map(|h| h as u64),
-            exceptions,
-        })
-    }
 }
 
 /// Claims `sequence` of `producer` inside the caller's open transaction. `None`: new, now recorded (it commits or

@@ -157,3 +157,19 @@ impl Config {
         &self.limits
     }
 }
+
+/// What outbox writes need from the inbox configuration, kept beside the connection.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct OutboxSettings {
+    pub(crate) producer: Option<String>,
+    pub(crate) limits: Limits,
+}
+
+impl OutboxSettings {
+    pub(crate) fn from_config(config: &Config) -> OutboxSettings {
+        OutboxSettings {
+            producer: config.outbox_producer.clone(),
+            limits: config.limits,
+        }
+    }
+}

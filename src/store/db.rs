@@ -11,7 +11,7 @@ use std::ptr::NonNull;
 
 use rusqlite::{Connection, OptionalExtension, Statement};
 
-use crate::error::{Error, Result};
+use crate::store::error::{Error, Result};
 
 /// Statements of the hot path. They borrow the boxed connection of their [`Db`] (hence the `'static`
 /// lifetime, which never escapes this module) and are dropped before it.
@@ -45,7 +45,7 @@ pub(crate) struct Db {
     current: Cell<i64>,
     relaxed: Cell<bool>,
     /// What outbox writes on this connection need from the inbox configuration.
-    pub(crate) outbox: crate::outbox::OutboxSettings,
+    pub(crate) outbox: crate::store::config::OutboxSettings,
     /// The WAL file's path, to notice when it is deleted underneath the open connection.
     wal: Option<std::path::PathBuf>,
     /// (device, inode) of the WAL file this connection writes, once seen: a file recreated at the same path

@@ -2,8 +2,8 @@
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3Default};
 
-use crate::config::Limits;
-use crate::error::InvalidDelivery;
+use crate::store::config::Limits;
+use crate::store::error::InvalidDelivery;
 
 /// One delivery as the core sees it: borrowed, so the hot path copies nothing.
 ///

@@ -1,6 +1,6 @@
 //! What happened to a delivery, and what may be said to the broker about it.
 
-use crate::identity::Fingerprint;
+use crate::store::identity::Fingerprint;
 
 /// The result of offering one delivery to the inbox, once the transaction that covers it has committed.
 ///

@@ -6,11 +6,11 @@ use std::path::Path;
 
 use rusqlite::{ffi, Connection, OpenFlags};
 
-use crate::config::Config;
-use crate::error::{extended_code, Error, Result};
+use crate::store::config::Config;
+use crate::store::error::{extended_code, Error, Result};
 
 /// The current schema, as a new database gets it.
-pub(crate) const SCHEMA: &str = include_str!("../schema.sql");
+pub(crate) const SCHEMA: &str = include_str!("../../schema.sql");
 
 /// Version of the schema in `schema.sql` that this build creates and reads, stored in `PRAGMA user_version`.
 pub const SCHEMA_VERSION: i64 = 1;

@@ -6,8 +6,8 @@ use rusqlite::{ffi, Connection};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::db::Db;
-use crate::error::{extended_code, Error, Result};
+use crate::store::db::Db;
+use crate::store::error::{extended_code, Error, Result};
 
 /// The transaction a handler runs in. Everything written through it (the key-value state, the user's own
 /// tables through [`Tx::sql`], outbox rows) commits or aborts together with the delivery's identity.

@@ -1,0 +1,406 @@
+//! The inbox's retention API: storing a scope's policy, reading its watermarks, and pruning in small bounded
+//! transactions. The rules the identity claim applies live in the parent module, below the strong case.
+
+use std::time::Duration;
+
+use rusqlite::{Connection, OptionalExtension};
+
+use crate::inbox::Inbox;
+use crate::retention::watermark::Watermark;
+use crate::retention::{load_rules, versioned_scope, Phase, PruneReport, Pruning, RetentionPolicy};
+use crate::store::db::Db;
+use crate::store::error::{Error, Result};
+use crate::store::txn::{begin, commit, unix_now};
+
+const DAY: i64 = 86_400;
+const MAX_BUSY_RETRIES: u32 = 100;
+
+impl Inbox {
+    /// Stores the retention policy of `scope` (durably: every connection on the file applies it).
+    ///
+    /// Errors: [`Error::InvalidArgument`] when the policy turns sequence watermarks on or off (or changes the
+    /// first sequence) for a scope that has already recorded deliveries.
+    pub fn set_retention(&mut self, scope: &str, policy: &RetentionPolicy) -> Result<()> {
+        let scope_id = self.scope_id(scope)?;
+        begin(&self.conn)?;
+        let result = store_policy(&self.conn, scope, scope_id, policy);
+        let result = result.and_then(|()| commit(&self.conn));
+        if result.is_err() && !self.conn.is_autocommit() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+        self.retention.invalidate();
+        result?;
+        match policy.identity_horizon {
+            Some(h) => log::warn!(
+                "scope {scope}: identity horizon set to {} days; repetitions older than that can no longer be \
+                 recognised (the horizon must cover broker retention, relays, dead-letter replays and restores)",
+                h.as_secs().div_ceil(DAY as u64)
+            ),
+            None => log::info!("scope {scope}: identities are kept forever"),
+        }
+        Ok(())
+    }
+
+    /// The retention policy of `scope` (the default, keep everything, when none was set).
+    pub fn retention(&mut self, scope: &str) -> Result<RetentionPolicy> {
+        let scope_id = self.scope_id(scope)?;
+        Ok(load_rules(&self.conn)?
+            .get(&scope_id)
+            .map(|r| r.policy)
+            .unwrap_or_default())
+    }
+
+    /// Every identity of `scope` pruned so far was committed before this time (Unix seconds); `None` while no
+    /// identity of the scope was ever pruned. Deliveries sent before it (allowing the clock skew) whose identity
+    /// is not found follow the scope's [`ExpiredPolicy`].
+    ///
+    /// [`ExpiredPolicy`]: crate::ExpiredPolicy
+    pub fn pruned_before(&mut self, scope: &str) -> Result<Option<i64>> {
+        let scope_id = self.scope_id(scope)?;
+        Ok(self
+            .conn
+            .prepare_cached("SELECT pruned_before FROM retention WHERE scope_id = ?1")?
+            .query_row([scope_id], |r| r.get::<_, Option<i64>>(0))
+            .optional()?
+            .flatten())
+    }
+
+    /// One bounded step of pruning over every scope with a policy: a window of `batch` stored messages, or of
+    /// one scope's identities, or `vacuum_pages` of free space, or a WAL checkpoint. Each step is its own short
+    /// `BEGIN IMMEDIATE` transaction. Call it repeatedly (or use [`Inbox::prune`]) until the report says
+    /// `done`; the next call starts a new pass.
+    ///
+    /// Pending and failed messages are never deleted, and an identity is deleted only once no stored message
+    /// refers to it any more.
+    pub fn prune_step(&mut self, opts: &Pruning) -> Result<PruneReport> {
+        let now = opts.as_of.unwrap_or_else(unix_now);
+        let mut report = PruneReport {
+            steps: 1,
+            ..PruneReport::default()
+        };
+        // A prune step need not survive a power loss (a lost step is redone by the next pass; WAL keeps the file
+        // consistent), so it skips the fsync and holds the write lock for less time. Consumers' own commits keep
+        // their configured durability, and their next fsync covers these frames too.
+        self.conn.start_relaxed();
+        let result = self.prune_phase(opts, now, &mut report);
+        let restored = self.conn.end_relaxed();
+        result?;
+        restored?;
+        self.retention.pass.add(&report);
+        if report.done {
+            let pass = std::mem::take(&mut self.retention.pass);
+            if pass.payloads_pruned + pass.dead_letters_pruned + pass.identities_pruned > 0 {
+                log::info!(
+                    "retention pass: {} processed and {} dead-lettered payloads, {} identities pruned; {} pages \
+                     reclaimed in {} steps",
+                    pass.payloads_pruned,
+                    pass.dead_letters_pruned,
+                    pass.identities_pruned,
+                    pass.pages_reclaimed,
+                    pass.steps
+                );
+            }
+        }
+        Ok(report)
+    }
+
+    /// Runs [`Inbox::prune_step`] until a pass is complete, pausing between steps; returns the summed report.
+    /// A step that finds the database busy (a consumer held the write lock for the whole busy timeout) is
+    /// retried after the pause, up to 100 times in a row, before [`Error::Busy`] is returned.
+    pub fn prune(&mut self, opts: &Pruning) -> Result<PruneReport> {
+        let mut total = PruneReport::default();
+        let mut busy = 0;
+        loop {
+            let started = std::time::Instant::now();
+            let step = match self.prune_step(opts) {
+                // Maintenance yields to consumers: a step that could not get the write lock is retried later.
+                Err(Error::Busy { .. }) if busy < MAX_BUSY_RETRIES => {
+                    busy += 1;
+                    std::thread::sleep(opts.pause.max(Duration::from_millis(1)));
+                    continue;
+                }
+                other => other?,
+            };
+            busy = 0;
+            total.add(&step);
+            if step.done {
+                return Ok(total);
+            }
+            // Leave the disk and the write lock to consumers most of the time: idle at least `idle` times as
+            // long as the step took (its I/O competes with their fsyncs even after the lock is released).
+            let rest = opts.pause.max(started.elapsed() * opts.idle);
+            if !rest.is_zero() {
+                std::thread::sleep(rest);
+            }
+        }
+    }
+
+    fn prune_phase(&mut self, opts: &Pruning, now: i64, report: &mut PruneReport) -> Result<()> {
+        match self.retention.phase {
+            Phase::Messages => self.prune_messages(opts, now, report)?,
+            Phase::Identities => self.prune_identities(opts, now, report)?,
+            Phase::Vacuum => {
+                let freed = vacuum_step(&self.conn, opts.vacuum_pages)?;
+                report.pages_reclaimed = freed;
+                if freed == 0 {
+                    self.retention.phase = Phase::Checkpoint;
+                }
+            }
+            Phase::Checkpoint => {
+                checkpoint(&self.conn, opts.truncate_wal)?;
+                self.retention.phase = Phase::Messages;
+                report.done = true;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_step<T>(&mut self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
+        begin(&self.conn)?;
+        let result = self
+            .retention
+            .refresh(&self.conn)
+            .and_then(|()| f(&self.conn));
+        let result = result.and_then(|v| commit(&self.conn).map(|()| v));
+        if result.is_err() && !self.conn.is_autocommit() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+        result
+    }
+
+    fn prune_messages(&mut self, opts: &Pruning, now: i64, report: &mut PruneReport) -> Result<()> {
+        let after = self.retention.msg_after;
+        let batch = opts.batch as i64;
+        let (upper, pruned) = self.write_step(|conn| {
+            let upper: Option<i64> = conn
+                .prepare_cached("SELECT max(seq) FROM (SELECT seq FROM messages WHERE seq > ?1 ORDER BY seq LIMIT ?2)")?
+                .query_row((after, batch), |r| r.get(0))?;
+            let Some(upper) = upper else { return Ok((None, Vec::new())) };
+            // Only states 1 (processed) and 3 (dead-lettered), each after its own age; never 0 or 2.
+            let mut stmt = conn.prepare_cached(
+                "DELETE FROM messages AS m WHERE m.seq > ?1 AND m.seq <= ?2 AND m.state IN (1, 3) AND EXISTS ( \
+                   SELECT 1 FROM retention r WHERE r.scope_id = m.scope_id AND ( \
+                     (m.state = 1 AND r.processed_payload_age IS NOT NULL \
+                        AND coalesce(m.finished_at, m.received_at) <= ?3 - r.processed_payload_age) \
+                     OR (m.state = 3 AND r.dead_letter_age IS NOT NULL \
+                        AND coalesce(m.finished_at, m.received_at) <= ?3 - r.dead_letter_age))) \
+                 RETURNING scope_id, state",
+            )?;
+            let pruned = stmt
+                .query_map((after, upper, now), |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
+            let mut per_scope: Vec<(i64, i64)> = Vec::new();
+            for (scope_id, _) in &pruned {
+                match per_scope.iter_mut().find(|(s, _)| s == scope_id) {
+                    Some((_, n)) => *n += 1,
+                    None => per_scope.push((*scope_id, 1)),
+                }
+            }
+            let mut count =
+                conn.prepare_cached("UPDATE scope_stats SET payloads_pruned = payloads_pruned + ?2 WHERE scope_id = ?1")?;
+            for (scope_id, n) in per_scope {
+                count.execute((scope_id, n))?;
+            }
+            Ok((Some(upper), pruned))
+        })?;
+        for (_, state) in &pruned {
+            if *state == 1 {
+                report.payloads_pruned += 1;
+            } else {
+                report.dead_letters_pruned += 1;
+            }
+        }
+        match upper {
+            Some(upper) => self.retention.msg_after = upper,
+            None => {
+                self.retention.msg_after = 0;
+                self.retention.phase = Phase::Identities;
+                self.retention.id_scope = 0;
+                self.retention.id_after.clear();
+            }
+        }
+        Ok(())
+    }
+
+    fn prune_identities(
+        &mut self,
+        opts: &Pruning,
+        now: i64,
+        report: &mut PruneReport,
+    ) -> Result<()> {
+        self.retention.refresh(&self.conn)?;
+        // The next scope with a horizon, at or after the cursor.
+        let mut scopes: Vec<(i64, Duration)> = self
+            .retention
+            .rules
+            .iter()
+            .filter_map(|(id, r)| r.policy.identity_horizon.map(|h| (*id, h)))
+            .filter(|(id, _)| *id >= self.retention.id_scope)
+            .collect();
+        scopes.sort_unstable_by_key(|(id, _)| *id);
+        let Some(&(scope_id, horizon)) = scopes.first() else {
+            self.retention.phase = Phase::Vacuum;
+            return Ok(());
+        };
+        if scope_id != self.retention.id_scope {
+            self.retention.id_scope = scope_id;
+            self.retention.id_after.clear();
+        }
+        // Whole days only, rounded so that every deleted identity is older than the horizon.
+        let cutoff_day = (now - horizon.as_secs() as i64).div_euclid(DAY);
+        let after = std::mem::take(&mut self.retention.id_after);
+        let batch = opts.batch as i64;
+        let (upper, days) = self.write_step(|conn| {
+            let upper: Option<Vec<u8>> = conn
+                .prepare_cached(
+                    "SELECT max(id_hash) FROM (SELECT id_hash FROM identities WHERE scope_id = ?1 AND id_hash > ?2 \
+                     ORDER BY id_hash LIMIT ?3)",
+                )?
+                .query_row((scope_id, &after[..], batch), |r| r.get(0))?;
+            let Some(upper) = upper else { return Ok((None, Vec::new())) };
+            let days = conn
+                .prepare_cached(
+                    "DELETE FROM identities AS i WHERE i.scope_id = ?1 AND i.id_hash > ?2 AND i.id_hash <= ?3 \
+                     AND i.day < ?4 AND NOT EXISTS ( \
+                       SELECT 1 FROM messages m WHERE m.scope_id = ?1 AND m.id_hash = i.id_hash) \
+                     RETURNING day",
+                )?
+                .query_map((scope_id, &after[..], &upper[..], cutoff_day), |r| r.get::<_, i64>(0))?
+                .collect::<rusqlite::Result<Vec<i64>>>()?;
+            if let Some(max_day) = days.iter().max() {
+                let bound = (max_day + 1) * DAY;
+                conn.prepare_cached(
+                    "UPDATE retention SET pruned_before = max(coalesce(pruned_before, ?2), ?2) WHERE scope_id = ?1",
+                )?
+                .execute((scope_id, bound))?;
+                conn.prepare_cached(
+                    "UPDATE scope_stats SET identities_pruned = identities_pruned + ?2 WHERE scope_id = ?1",
+                )?
+                .execute((scope_id, days.len() as i64))?;
+                log::info!(
+                    "scope {scope_id}: pruned {} identities committed before day {cutoff_day} (Unix days)",
+                    days.len()
+                );
+            }
+            Ok((Some(upper), days))
+        })?;
+        // This connection wrote pruned_before itself: data_version does not see that.
+        self.retention.invalidate();
+        report.identities_pruned += days.len() as u64;
+        match upper {
+            Some(upper) => self.retention.id_after = upper,
+            None => self.retention.id_scope = scope_id + 1,
+        }
+        Ok(())
+    }
+}
+
+fn store_policy(
+    conn: &Connection,
+    scope: &str,
+    scope_id: i64,
+    policy: &RetentionPolicy,
+) -> Result<()> {
+    let stored: Option<(i64, i64)> = conn
+        .prepare_cached("SELECT watermarks, first_sequence FROM retention WHERE scope_id = ?1")?
+        .query_row([scope_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?;
+    let stored = stored.and_then(|(on, first)| (on == 1).then_some(first as u64));
+    if stored != policy.first_sequence {
+        let used: bool = conn
+            .prepare_cached(
+                "SELECT EXISTS (SELECT 1 FROM identities WHERE scope_id = ?1) \
+                 OR EXISTS (SELECT 1 FROM watermarks WHERE scope_id = ?1) \
+                 OR EXISTS (SELECT 1 FROM watermark_exceptions WHERE scope_id = ?1)",
+            )?
+            .query_row([scope_id], |r| r.get(0))?;
+        if used {
+            return Err(Error::InvalidArgument(format!(
+                "scope {scope} has already recorded deliveries: sequence watermarks can only be chosen for a new \
+                 scope (start a versioned scope such as {})",
+                versioned_scope(scope, 2)
+            )));
+        }
+    }
+    let secs = |d: Option<Duration>| d.map(|d| d.as_secs().min(i64::MAX as u64) as i64);
+    conn.prepare_cached(
+        "INSERT INTO retention (scope_id, processed_payload_age, dead_letter_age, identity_horizon, expired, \
+         clock_skew, watermarks, first_sequence) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
+         ON CONFLICT (scope_id) DO UPDATE SET processed_payload_age = excluded.processed_payload_age, \
+         dead_letter_age = excluded.dead_letter_age, identity_horizon = excluded.identity_horizon, \
+         expired = excluded.expired, clock_skew = excluded.clock_skew, watermarks = excluded.watermarks, \
+         first_sequence = excluded.first_sequence",
+    )?
+    .execute((
+        scope_id,
+        secs(policy.processed_payloads),
+        secs(policy.dead_letter_payloads),
+        secs(policy.identity_horizon),
+        policy.expired.to_sql(),
+        policy.clock_skew.as_secs().min(i64::MAX as u64) as i64,
+        policy.first_sequence.is_some() as i64,
+        policy.first_sequence.unwrap_or(1).min(i64::MAX as u64) as i64,
+    ))?;
+    Ok(())
+}
+
+/// Returns up to `pages` free pages to the file system in one short write transaction; the number returned.
+fn vacuum_step(conn: &Db, pages: u32) -> Result<u64> {
+    begin(conn)?;
+    let result = (|| -> rusqlite::Result<u64> {
+        let before: i64 = conn.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
+        if before == 0 {
+            return Ok(0);
+        }
+        // Each step of this statement frees one page: run it to the end.
+        let mut stmt = conn.prepare(&format!("PRAGMA incremental_vacuum({pages})"))?;
+        let mut rows = stmt.query([])?;
+        while rows.next()?.is_some() {}
+        let after: i64 = conn.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
+        Ok((before - after).max(0) as u64)
+    })();
+    match result {
+        Ok(n) => commit(conn).map(|()| n),
+        Err(e) => {
+            let _ = conn.execute_batch("ROLLBACK");
+            Err(e.into())
+        }
+    }
+}
+
+/// Copies the WAL back into the database without blocking writers, then optionally truncates it (which waits,
+/// within the busy timeout, for a moment with no writer and no reader on an old snapshot).
+fn checkpoint(conn: &Connection, truncate: bool) -> Result<()> {
+    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+    if truncate {
+        let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
+        if busy != 0 {
+            log::debug!("WAL truncate skipped: the database was busy");
+        }
+    }
+    Ok(())
+}
+
+impl Inbox {
+    /// The sequence watermark recorded for `producer` in `scope` (empty when nothing is recorded).
+    pub fn watermark(&mut self, scope: &str, producer: &str) -> Result<Watermark> {
+        let scope_id = self.scope_id(scope)?;
+        let high: Option<i64> = self
+            .conn
+            .prepare_cached("SELECT high FROM watermarks WHERE scope_id = ?1 AND producer = ?2")?
+            .query_row((scope_id, producer), |r| r.get(0))
+            .optional()?;
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT sequence FROM watermark_exceptions WHERE scope_id = ?1 AND producer = ?2 ORDER BY sequence",
+        )?;
+        let exceptions = stmt
+            .query_map((scope_id, producer), |r| {
+                r.get::<_, i64>(0).map(|s| s as u64)
+            })?
+            .collect::<rusqlite::Result<Vec<u64>>>()?;
+        Ok(Watermark {
+            high: high.map(|h| h as u64),
+            exceptions,
+        })
+    }
+}

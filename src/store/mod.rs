@@ -1,0 +1,12 @@
+//! The storage layer: the connection and its hot statements, the schema and its migrations, the transaction
+//! primitives and clock, errors, configuration, identities, outcomes and the handler's [`Tx`](state::Tx). It
+//! imports nothing from the layers above it.
+
+pub(crate) mod config;
+pub(crate) mod db;
+pub(crate) mod error;
+pub(crate) mod identity;
+pub(crate) mod outcome;
+pub(crate) mod schema;
+pub(crate) mod state;
+pub(crate) mod txn;

@@ -1,0 +1,109 @@
+//! Transaction primitives every write path shares: start, commit (its failure classified), savepoint release,
+//! and the wall clock.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::store::db::Db;
+use crate::store::error::{extended_code, Error, Result};
+
+pub(crate) fn unix_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+/// Starts a write transaction: rolls back one left open by an interrupted call (a handler that panicked),
+/// puts the connection at the durability this transaction needs, then `BEGIN IMMEDIATE`.
+pub(crate) fn begin(conn: &Db) -> Result<()> {
+    if !conn.is_autocommit() {
+        log::warn!("rolling back a transaction left open by an earlier, interrupted call");
+        conn.execute_batch("ROLLBACK")?;
+    }
+    conn.prepare_level()?;
+    conn.begin_immediate()?;
+    Ok(())
+}
+
+/// `COMMIT`, its failure classified by the extended result code: a refused constraint, a busy database or a
+/// full disk leave nothing committed; any other failure (I/O above all) leaves the outcome unknown.
+pub(crate) fn commit(conn: &Db) -> Result<()> {
+    let started = conn.slow_commit.map(|_| std::time::Instant::now());
+    conn.commit_raw().map_err(|e| {
+        let code = extended_code(&e).unwrap_or(-1);
+        match code & 0xff {
+            rusqlite::ffi::SQLITE_CONSTRAINT => Error::CommitRefused { code, source: e },
+            rusqlite::ffi::SQLITE_BUSY | rusqlite::ffi::SQLITE_LOCKED | rusqlite::ffi::SQLITE_FULL => Error::from(e),
+            _ => {
+                log::warn!(
+                    "COMMIT failed with SQLite code {code}: outcome unknown until the identity is looked up"
+                );
+                Error::CommitUnknown { code, source: e }
+            }
+        }
+    })?;
+    if let (Some(started), Some(threshold)) = (started, conn.slow_commit) {
+        let took = started.elapsed();
+        if took >= threshold {
+            log::warn!("slow commit: COMMIT took {took:?} (warning threshold {threshold:?})");
+        }
+    }
+    if conn.wal_unlinked() {
+        return rescue_unlinked_wal(conn);
+    }
+    Ok(())
+}
+
+/// The WAL was deleted while open: the commit just made (and every frame not yet checkpointed) is only in the
+/// unlinked file, which a crash would take with it. Copy it all into the database file (a FULL checkpoint,
+/// fsynced) before reporting success; if that cannot be done, the outcome is not durable: `CommitUnknown`.
+#[cold]
+fn rescue_unlinked_wal(conn: &Db) -> Result<()> {
+    let unknown = |code: i32, why: &str| Error::CommitUnknown {
+        code,
+        source: rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(code),
+            Some(why.to_owned()),
+        ),
+    };
+    let result = conn.query_row("PRAGMA wal_checkpoint(FULL)", [], |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, i64>(1)?,
+            r.get::<_, i64>(2)?,
+        ))
+    });
+    match result {
+        Ok((0, log, done)) if log == done => {
+            log::error!(
+                "the WAL file was deleted while the inbox was open: committed frames were checkpointed into the \
+                 database file; reopen the inbox to get a new WAL"
+            );
+            Ok(())
+        }
+        Ok(_) => Err(unknown(
+            rusqlite::ffi::SQLITE_BUSY,
+            "the WAL file was deleted and the rescue checkpoint could not complete",
+        )),
+        Err(e) => {
+            let code = extended_code(&e).unwrap_or(rusqlite::ffi::SQLITE_IOERR);
+            log::error!(
+                "the WAL file was deleted and the rescue checkpoint failed (SQLite code {code})"
+            );
+            Err(Error::CommitUnknown { code, source: e })
+        }
+    }
+}
+
+pub(crate) fn release(conn: &Db) -> Result<()> {
+    conn.release()?;
+    Ok(())
+}
+
+/// Wall-clock Unix milliseconds: leases and backoff need sub-second precision.
+pub(crate) fn unix_now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
