@@ -86,6 +86,17 @@
 //! or, with [`Tx::sql`], its own tables in the same transaction. [`rusqlite`] is re-exported so the versions
 //! match.
 //!
+//! **Nothing a handler writes commits without its identity**, even when it swallows an error. SQLite may roll
+//! the transaction back by itself (an I/O error, NOMEM, an interrupt, a trigger's `RAISE(ROLLBACK)`,
+//! `INSERT OR ROLLBACK`); a statement run after that would be in autocommit and commit on its own. So while a
+//! handler runs, the connection's commit hook refuses every commit (SQLite turns it into a rollback, and the
+//! statement fails with `SQLITE_CONSTRAINT_COMMITHOOK`): only the inbox's own `COMMIT`, after the handler
+//! returned, can commit. A commit hook, not a check of `is_autocommit` around each call, because such a
+//! check comes after the statement has already committed. Once the transaction is gone every further call
+//! through [`Tx`] fails at once, and the call (process, batch, worker) fails with
+//! [`Error::HandlerEndedTransaction`]: nothing committed, nothing to ack. The same holds for [`Tx::publish`]
+//! and the deferred [`Worker`].
+//!
 //! ## Group commit
 //!
 //! Each commit with `synchronous=FULL` costs at least one fsync, which bounds a consumer at the device's
