@@ -145,6 +145,14 @@
 //!    with the last error text. [`Inbox::requeue_dead_letters`] / [`Inbox::requeue_dead_letter`] put dead
 //!    letters back to work. Storage errors are not handler failures and consume no attempt.
 //!
+//! **Sharing the write lock.** The apply transaction holds SQLite's write lock while the handlers run, and a
+//! consumer receiving on the same file waits for it up to its busy timeout. [`Worker::run_once`] therefore
+//! stops taking further claims into a transaction once [`WorkerConfig::lock_budget`] (default 100 ms) is used
+//! up (at least one handler runs per transaction), commits, and applies the rest of its claims in further
+//! transactions; after such a transaction it leaves the lock free for a little over SQLite's longest busy
+//! retry interval (100 ms), so a waiting receiver gets its turn and keeps acking however slow the handlers
+//! are. ([`Worker::complete`] applies exactly the claims it is given in one transaction.)
+//!
 //! A worker killed at any point leaves either nothing (the apply transaction did not commit) or a lease that
 //! expires and is claimed again: every pending message is applied exactly once in effect.
 //!
