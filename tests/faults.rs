@@ -460,18 +460,24 @@ fn main() {
             )]
             .iter(),
         )
-        .map(|&(name, f)| Trial::test(name, move || Ok(f())))
+        .map(|&(name, f)| {
+            Trial::test(name, move || {
+                f();
+                Ok(())
+            })
+        })
         .collect();
     trials.push(Trial::ignorable_test(
         "a_database_on_a_read_only_mount_is_refused_at_open",
         || Ok(a_database_on_a_read_only_mount_is_refused_at_open()),
     ));
     if child_dir().is_some() {
-        trials.extend(
-            CHILDREN
-                .iter()
-                .map(|&(name, f)| Trial::test(name, move || Ok(f()))),
-        );
+        trials.extend(CHILDREN.iter().map(|&(name, f)| {
+            Trial::test(name, move || {
+                f();
+                Ok(())
+            })
+        }));
     }
     libtest_mimic::run(&args, trials).exit();
 }
