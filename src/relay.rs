@@ -98,7 +98,9 @@ pub struct RelayStats {
     pub confirmed: u64,
     /// Rows marked sent in the database.
     pub marked: u64,
-    /// PUBACKs with a failure reason code (the row stays pending and is sent again after a backoff).
+    /// PUBACKs with a failure reason code (the row stays pending and is sent again after a backoff, or is
+    /// parked after [`RelayConfig::max_refusals`]), and rows parked unsent because they exceed the broker's
+    /// Maximum Packet Size.
     pub refused: u64,
     /// Connections accepted by the broker.
     pub connections: u64,
