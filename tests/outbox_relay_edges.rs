@@ -19,7 +19,7 @@ use outbox_support::Subscriber;
 const SCOPE: &str = "relay-edges";
 
 /// Commits one delivery per payload; each handler call publishes its payload.
-fn commit(inbox: &mut Inbox, payloads: &[Vec<u8>]) {
+fn commit(inbox: &mut Inbox, topic: &str, payloads: &[Vec<u8>]) {
     let ids: Vec<String> = (0..payloads.len()).map(|i| format!("evt-{i}")).collect();
     let deliveries: Vec<Delivery<'_>> = ids
         .iter()
@@ -28,12 +28,7 @@ fn commit(inbox: &mut Inbox, payloads: &[Vec<u8>]) {
         .collect();
     inbox
         .process_batch(&deliveries, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
-            tx.publish(
-                "stock/x",
-                d.payload,
-                Qos::AtLeastOnce,
-                &OutboxProperties::new(),
-            )?;
+            tx.publish(topic, d.payload, Qos::AtLeastOnce, &OutboxProperties::new())?;
             Ok(())
         })
         .unwrap();
@@ -61,9 +56,13 @@ fn every_message_carries_its_commit_time_as_sent_at_also_when_resent() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inbox.db");
-    let sub = Subscriber::start(broker.port, "edges-sub-sent-at", "stock/#");
+    let sub = Subscriber::start(broker.port, "edges-sub-sent-at", "stock/sent-at/#");
     let mut inbox = Inbox::open(&db, Config::default()).unwrap();
-    commit(&mut inbox, &[b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]);
+    commit(
+        &mut inbox,
+        "stock/sent-at/x",
+        &[b"a".to_vec(), b"b".to_vec(), b"c".to_vec()],
+    );
     // Rows committed long ago: the stamp must be the row's, not the time of sending.
     inbox
         .connection()
@@ -142,10 +141,14 @@ fn a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on() {
     let broker = Broker::start_with_options("max_packet_size 2048");
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inbox.db");
-    let sub = Subscriber::start(broker.port, "edges-sub-big", "stock/#");
+    let sub = Subscriber::start(broker.port, "edges-sub-big", "stock/big/#");
     let mut inbox = Inbox::open(&db, Config::default()).unwrap();
     let big = vec![b'x'; 4096];
-    commit(&mut inbox, &[b"small-0".to_vec(), big, b"small-2".to_vec()]);
+    commit(
+        &mut inbox,
+        "stock/big/x",
+        &[b"small-0".to_vec(), big, b"small-2".to_vec()],
+    );
 
     let relay = relay(&db, broker.port, "edges-relay-big");
     let done = common::wait_for(Duration::from_secs(30), || {
