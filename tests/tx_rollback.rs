@@ -1,4 +1,4 @@
-//! Once SQLite has rolled the delivery's transaction back by itself (a trigger's `RAISE(ROLLBACK)`,
+//! Once SQLite has rolled the delivery's transaction back by itself (a trigger's `RAISE(ROLLBACK)`, an interrupt,
 //! `INSERT OR ROLLBACK`), nothing the handler writes afterwards may commit: not through `Tx::put`, not
 //! through raw SQL on `Tx::sql`, not as an outbox row. Each path (process, process_batch, the deferred
 //! worker, Tx::publish) is offered the same delivery three times, like three redeliveries.
@@ -12,6 +12,8 @@ enum Rollback {
     Trigger,
     /// `INSERT OR ROLLBACK` hitting a unique constraint.
     InsertOrRollback,
+    /// A write statement interrupted (here by a progress handler): SQLite rolls the whole transaction back.
+    Interrupt,
 }
 
 /// What the handler tries to write after the rollback (swallowing every error).
@@ -22,13 +24,16 @@ enum Write {
     Publish,
 }
 
-const ALL: [(Rollback, Write); 6] = [
+const ALL: [(Rollback, Write); 9] = [
     (Rollback::Trigger, Write::Put),
     (Rollback::Trigger, Write::RawSql),
     (Rollback::Trigger, Write::Publish),
     (Rollback::InsertOrRollback, Write::Put),
     (Rollback::InsertOrRollback, Write::RawSql),
     (Rollback::InsertOrRollback, Write::Publish),
+    (Rollback::Interrupt, Write::Put),
+    (Rollback::Interrupt, Write::RawSql),
+    (Rollback::Interrupt, Write::Publish),
 ];
 
 fn open(path: &std::path::Path) -> Inbox {
@@ -55,6 +60,12 @@ fn handler(
     move |tx: &mut Tx<'_>, _d: &Delivery<'_>| {
         let refused = match rollback {
             Rollback::Trigger => tx.sql().execute("INSERT INTO audit VALUES (1)", []),
+            Rollback::Interrupt => {
+                tx.sql().progress_handler(1, Some(|| true));
+                let r = tx.sql().execute("INSERT INTO once VALUES (2)", []);
+                tx.sql().progress_handler(0, None::<fn() -> bool>);
+                r
+            }
             Rollback::InsertOrRollback => tx
                 .sql()
                 .execute("INSERT OR ROLLBACK INTO once VALUES (1)", []),
