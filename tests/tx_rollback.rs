@@ -1,6 +1,6 @@
-//! Once SQLite has rolled the delivery's transaction back by itself (a trigger's `RAISE(ROLLBACK)`, an interrupt,
-//! `INSERT OR ROLLBACK`), nothing the handler writes afterwards may commit: not through `Tx::put`, not
-//! through raw SQL on `Tx::sql`, not as an outbox row. Each path (process, process_batch, the deferred
+//! Once SQLite has rolled the delivery's transaction back by itself (a trigger's `RAISE(ROLLBACK)`,
+//! `INSERT OR ROLLBACK`, an interrupted write), nothing the handler writes afterwards may commit: not
+//! through `Tx::put`, not through raw SQL on `Tx::sql`, not as an outbox row. Each path (process, process_batch, the deferred
 //! worker, Tx::publish) is offered the same delivery three times, like three redeliveries.
 
 use edge_inbox::{Config, Delivery, Error, Inbox, OutboxProperties, Qos, Tx, Worker, WorkerConfig};
