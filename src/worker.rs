@@ -68,7 +68,9 @@ impl Default for WorkerConfig {
 }
 
 impl WorkerConfig {
-    /// How long a claim is exclusive. It must comfortably exceed the time to process one claimed batch: a
+    /// How long a claim is exclusive. It must comfortably exceed the time to process one claimed batch (with
+    /// slow handlers, including the pauses after each transaction that used its
+    /// [`lock_budget`](WorkerConfig::lock_budget), about a tenth of a second each): a
     /// worker that overruns its lease has its commit refused ([`Completion::LeaseLost`]) and the work is
     /// redone by whoever claims the message next. Default 30 s.
     pub fn lease(mut self, lease: Duration) -> Self {
