@@ -7,7 +7,7 @@ use edge_inbox::{Config, Delivery, Error, Inbox, OutboxProperties, Qos, Tx, Work
 
 /// How the handler provokes SQLite's own rollback.
 #[derive(Clone, Copy, Debug)]
-enum Rollback {
+enum Cause {
     /// A trigger that runs `RAISE(ROLLBACK, ...)`.
     Trigger,
     /// `INSERT OR ROLLBACK` hitting a unique constraint.
@@ -24,16 +24,16 @@ enum Write {
     Publish,
 }
 
-const ALL: [(Rollback, Write); 9] = [
-    (Rollback::Trigger, Write::Put),
-    (Rollback::Trigger, Write::RawSql),
-    (Rollback::Trigger, Write::Publish),
-    (Rollback::InsertOrRollback, Write::Put),
-    (Rollback::InsertOrRollback, Write::RawSql),
-    (Rollback::InsertOrRollback, Write::Publish),
-    (Rollback::Interrupt, Write::Put),
-    (Rollback::Interrupt, Write::RawSql),
-    (Rollback::Interrupt, Write::Publish),
+const ALL: [(Cause, Write); 9] = [
+    (Cause::Trigger, Write::Put),
+    (Cause::Trigger, Write::RawSql),
+    (Cause::Trigger, Write::Publish),
+    (Cause::InsertOrRollback, Write::Put),
+    (Cause::InsertOrRollback, Write::RawSql),
+    (Cause::InsertOrRollback, Write::Publish),
+    (Cause::Interrupt, Write::Put),
+    (Cause::Interrupt, Write::RawSql),
+    (Cause::Interrupt, Write::Publish),
 ];
 
 fn open(path: &std::path::Path) -> Inbox {
@@ -54,19 +54,19 @@ fn open(path: &std::path::Path) -> Inbox {
 }
 
 fn handler(
-    rollback: Rollback,
+    rollback: Cause,
     write: Write,
 ) -> impl FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()> {
     move |tx: &mut Tx<'_>, _d: &Delivery<'_>| {
         let refused = match rollback {
-            Rollback::Trigger => tx.sql().execute("INSERT INTO audit VALUES (1)", []),
-            Rollback::Interrupt => {
+            Cause::Trigger => tx.sql().execute("INSERT INTO audit VALUES (1)", []),
+            Cause::Interrupt => {
                 tx.sql().progress_handler(1, Some(|| true));
                 let r = tx.sql().execute("INSERT INTO once VALUES (2)", []);
                 tx.sql().progress_handler(0, None::<fn() -> bool>);
                 r
             }
-            Rollback::InsertOrRollback => tx
+            Cause::InsertOrRollback => tx
                 .sql()
                 .execute("INSERT OR ROLLBACK INTO once VALUES (1)", []),
         };
@@ -103,7 +103,7 @@ fn effects(inbox: &Inbox) -> (i64, i64, i64, i64) {
 
 fn check_ended(
     result: &Result<impl std::fmt::Debug, Error>,
-    case: (Rollback, Write),
+    case: (Cause, Write),
     wrong: &mut Vec<String>,
 ) {
     if !matches!(result, Err(Error::HandlerEndedTransaction)) {
@@ -114,7 +114,7 @@ fn check_ended(
 fn check_effects(
     got: (i64, i64, i64, i64),
     want: (i64, i64, i64, i64),
-    case: (Rollback, Write),
+    case: (Cause, Write),
     wrong: &mut Vec<String>,
 ) {
     if got != want {
