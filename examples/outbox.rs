@@ -2,7 +2,7 @@
 //!
 //! Order events arrive on `orders/#` (JSON, id in the MQTT 5 user property `message-id`). The handler reserves
 //! the stock and, in the same transaction, publishes `stock-reserved` on `stock/reserved/<order>`. A relay
-//! sends the outbox with its own connection, with the user properties `message-id` and `producer`, and marks
+//! sends the outbox with its own connection, with the user properties `message-id`, `producer` and `sent-at`, and marks
 //! each message sent only after the broker's PUBACK. A subscriber prints what it gets.
 //!
 //! ```text
@@ -21,6 +21,8 @@ use edge_inbox::{Config, Consumer, Delivery, Inbox, MqttConfig, OutboxProperties
 mod support;
 
 const SCOPE: &str = "inventory-reservation";
+/// The subscriber's end marker: not an announcement.
+const END_TOPIC: &str = "stock/end";
 
 /// Reserve, and say so: both commit together, or neither does.
 fn reserve(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
@@ -88,9 +90,22 @@ fn main() -> anyhow::Result<()> {
             ("orders/44", Some("evt-44-created"), created(44, "B-7", 1)),
         ],
     )?;
-    let summary = consumer()?
-        .exit_when_idle(Duration::from_secs(1))
-        .run(reserve)?;
+    // Run until all four deliveries are settled (three reserved, the redelivery recognised).
+    let mut running = consumer()?;
+    let stop = running.stop_handle();
+    let stats = Inbox::open(&db, config.clone())?;
+    let watcher = std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            match stats.scope_stats(SCOPE) {
+                Ok(s) if s.processed + s.duplicates >= 4 => break,
+                _ => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        stop.stop();
+    });
+    let summary = running.run(reserve)?;
+    let _ = watcher.join();
     eprintln!("consumer: {summary:?}");
 
     let inbox = Inbox::open(&db, config)?;
@@ -105,7 +120,14 @@ fn main() -> anyhow::Result<()> {
         std::thread::sleep(Duration::from_millis(20));
     }
     eprintln!("relay: {:?}", relay.stop());
-    let received = subscriber.stop_after(3, Duration::from_secs(10));
+    // Every announcement reached the broker before the relay stopped; a marker published now arrives after
+    // all of them (and after any repeat), so the count is complete once it is seen.
+    support::publish(
+        broker.port,
+        "outbox-demo-marker",
+        &[(END_TOPIC, None, String::new())],
+    )?;
+    let received = subscriber.stop_at_marker(Duration::from_secs(10));
     let backlog = inbox.outbox_backlog()?;
     println!(
         "received {received} announcements; outbox: {} pending, {} sent",
@@ -117,6 +139,7 @@ fn main() -> anyhow::Result<()> {
 /// Prints every `stock/#` message with its id and producer; returns how many it got.
 struct Subscriber {
     stop: Arc<AtomicBool>,
+    ended: Arc<AtomicBool>,
     received: Arc<AtomicUsize>,
     thread: std::thread::JoinHandle<()>,
 }
@@ -141,13 +164,18 @@ impl Subscriber {
             }
         }
         let stop = Arc::new(AtomicBool::new(false));
+        let ended = Arc::new(AtomicBool::new(false));
         let received = Arc::new(AtomicUsize::new(0));
-        let (flag, count) = (stop.clone(), received.clone());
+        let (flag, end, count) = (stop.clone(), ended.clone(), received.clone());
         let thread = std::thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) {
                 if let Ok(Ok(Event::Incoming(Packet::Publish(p)))) =
                     conn.recv_timeout(Duration::from_millis(50))
                 {
+                    if p.topic == END_TOPIC.as_bytes() {
+                        end.store(true, Ordering::SeqCst);
+                        continue;
+                    }
                     let props = p.properties.unwrap_or_default();
                     let prop = |name: &str| {
                         props
@@ -171,18 +199,18 @@ impl Subscriber {
         });
         Ok(Subscriber {
             stop,
+            ended,
             received,
             thread,
         })
     }
 
-    /// Waits (bounded) until `n` messages arrived, and a moment more for any repeat, then stops.
-    fn stop_after(self, n: usize, timeout: Duration) -> usize {
+    /// Waits (bounded) for the end marker, then stops.
+    fn stop_at_marker(self, timeout: Duration) -> usize {
         let deadline = Instant::now() + timeout;
-        while self.received.load(Ordering::SeqCst) < n && Instant::now() < deadline {
+        while !self.ended.load(Ordering::SeqCst) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
-        std::thread::sleep(Duration::from_millis(300));
         self.stop.store(true, Ordering::Relaxed);
         let _ = self.thread.join();
         self.received.load(Ordering::SeqCst)

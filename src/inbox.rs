@@ -399,14 +399,17 @@ pub(crate) fn run_handler<H: Handler>(
     failure.set(None);
     let mut tx =
         Tx::new(conn, d.scope, scope_id, now, buf, failure).with_origin(d.producer, d.message_id);
+    // Refuses any commit while the handler runs (see the crate guide, "Handlers and state").
+    let armed = conn.arm_handler_guard();
     let result = handler(&mut tx, d);
+    drop(armed);
     if let Some(code) = failure.get() {
         return Err(storage_error(code));
     }
     if let Some(e) = result.as_ref().err().and_then(storage_cause) {
         return Err(e);
     }
-    if conn.is_autocommit() {
+    if conn.handler_tx_ended() {
         return Err(Error::HandlerEndedTransaction);
     }
     Ok(result)

@@ -97,6 +97,17 @@
 //! or, with [`Tx::sql`], its own tables in the same transaction. [`rusqlite`] is re-exported so the versions
 //! match.
 //!
+//! **Nothing a handler writes commits without its identity**, even when it swallows an error. SQLite may roll
+//! the transaction back by itself (an I/O error, NOMEM, an interrupt, a trigger's `RAISE(ROLLBACK)`,
+//! `INSERT OR ROLLBACK`); a statement run after that would be in autocommit and commit on its own. So while a
+//! handler runs, the connection's commit hook refuses every commit (SQLite turns it into a rollback, and the
+//! statement fails with `SQLITE_CONSTRAINT_COMMITHOOK`): only the inbox's own `COMMIT`, after the handler
+//! returned, can commit. A commit hook, not a check of `is_autocommit` around each call, because such a
+//! check comes after the statement has already committed. Once the transaction is gone every further call
+//! through [`Tx`] fails at once, and the call (process, batch, worker) fails with
+//! [`Error::HandlerEndedTransaction`]: nothing committed, nothing to ack. The same holds for [`Tx::publish`]
+//! and the deferred [`Worker`].
+//!
 //! ## Group commit
 //!
 //! Each commit with `synchronous=FULL` costs at least one fsync, which bounds a consumer at the device's
@@ -144,6 +155,14 @@
 //!    ([`WorkerConfig::backoff`]); after [`WorkerConfig::max_attempts`] failures the message is dead-lettered
 //!    with the last error text. [`Inbox::requeue_dead_letters`] / [`Inbox::requeue_dead_letter`] put dead
 //!    letters back to work. Storage errors are not handler failures and consume no attempt.
+//!
+//! **Sharing the write lock.** The apply transaction holds SQLite's write lock while the handlers run, and a
+//! consumer receiving on the same file waits for it up to its busy timeout. [`Worker::run_once`] therefore
+//! stops taking further claims into a transaction once [`WorkerConfig::lock_budget`] (default 100 ms) is used
+//! up (at least one handler runs per transaction), commits, and applies the rest of its claims in further
+//! transactions; after such a transaction it leaves the lock free for a little over SQLite's longest busy
+//! retry interval (100 ms), so a waiting receiver gets its turn and keeps acking however slow the handlers
+//! are. ([`Worker::complete`] applies exactly the claims it is given in one transaction.)
 //!
 //! A worker killed at any point leaves either nothing (the apply transaction did not commit) or a lease that
 //! expires and is claimed again: every pending message is applied exactly once in effect.
@@ -277,12 +296,16 @@
 //!   namespace is [`Config::outbox_producer`] (a gateway name, say), by default the scope.
 //! - **The relay** ([`Relay`], feature `mqtt`) is a thread with its own [`Inbox`] on the same file and its
 //!   own MQTT 5 connection. It publishes pending rows in commit order with the user properties `message-id`
-//!   and `producer` (what [`UserProperty`] reads on the other side), at most [`RelayConfig::inflight`]
+//!   and `producer` (what [`UserProperty`] reads on the other side) and `sent-at`, the time the row was
+//!   committed in Unix seconds as a decimal string (the same on every resend; a receiver's identity horizon
+//!   reads it), at most [`RelayConfig::inflight`]
 //!   unconfirmed at a time, and marks a row sent only after the broker's PUBACK for it. A crash, a lost
 //!   connection or a refused publish leaves rows pending; they are sent again, from the oldest, after a
 //!   reconnect with backoff or a restart. Receivers therefore see every message **at least once, always with
 //!   the same id**: an edge-inbox consumer downstream applies each exactly once in effect. QoS0 messages are
-//!   marked when written and may be lost.
+//!   marked when written and may be lost. A row the broker keeps refusing ([`RelayConfig::max_refusals`]),
+//!   or one over the broker's Maximum Packet Size (announced in its CONNACK), is parked instead of holding
+//!   back the rest: kept and counted, sent again after [`Inbox::requeue_parked_outbox`].
 //! - **Observability and retention.** [`Inbox::outbox_backlog`] gives pending count, oldest pending age and
 //!   sent count; [`Inbox::prune_outbox`] deletes sent rows older than an age (pending rows never).
 //! - Topic, payload and properties ([`OutboxProperties`]: user properties, content type, ..., stored as CBOR;

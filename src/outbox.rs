@@ -15,7 +15,7 @@ use crate::store::state::Tx;
 use crate::store::txn::unix_now;
 
 /// User property names the relay sets itself; a message may not carry its own.
-pub(crate) const RESERVED_PROPERTIES: [&str; 2] = ["message-id", "producer"];
+pub(crate) const RESERVED_PROPERTIES: [&str; 3] = ["message-id", "producer", "sent-at"];
 
 /// The broker's delivery guarantee for an outbox message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -62,7 +62,8 @@ impl Qos {
 #[serde(default)]
 #[non_exhaustive]
 pub struct OutboxProperties {
-    /// MQTT 5 user properties, in order. `message-id` and `producer` are reserved: the relay sets them.
+    /// MQTT 5 user properties, in order. `message-id`, `producer` and `sent-at` are reserved: the relay
+    /// sets them.
     pub user_properties: Vec<(String, String)>,
     /// MQTT 5 content type.
     pub content_type: Option<String>,
@@ -425,6 +426,8 @@ pub(crate) struct OutboxRow {
     pub(crate) payload: Vec<u8>,
     pub(crate) qos: Qos,
     pub(crate) properties: OutboxProperties,
+    /// When the row was committed, Unix seconds: the `sent-at` the relay stamps on it.
+    pub(crate) created_at: i64,
 }
 
 /// Rows deleted per transaction by [`Inbox::prune_outbox`]: short write locks between consumer commits.
@@ -521,7 +524,7 @@ impl Inbox {
     /// Up to `limit` pending rows after `after_seq`, in seq order (the relay's read).
     pub(crate) fn outbox_pending(&self, after_seq: i64, limit: usize) -> Result<Vec<OutboxRow>> {
         let mut stmt = self.conn.prepare_cached(
-            "SELECT seq, producer, message_id, topic, payload, qos, properties FROM outbox \
+            "SELECT seq, producer, message_id, topic, payload, qos, properties, created_at FROM outbox \
              WHERE state = 0 AND seq > ?1 ORDER BY seq LIMIT ?2",
         )?;
         let rows = stmt.query_map((after_seq, limit as i64), |r| {
@@ -534,6 +537,7 @@ impl Inbox {
                     payload: r.get(4)?,
                     qos: Qos::from_sql(r.get(5)?),
                     properties: OutboxProperties::default(),
+                    created_at: r.get(7)?,
                 },
                 r.get::<_, Option<Vec<u8>>>(6)?,
             ))
@@ -571,6 +575,17 @@ impl Inbox {
                 Err(e.into())
             }
         }
+    }
+
+    /// Parks a pending row the broker cannot take at all (over its Maximum Packet Size), as if refused
+    /// `max_refusals` times.
+    pub(crate) fn outbox_park(&mut self, seq: i64) -> Result<()> {
+        self.conn
+            .prepare_cached(
+                "UPDATE outbox SET attempts = attempts + 1, state = 2 WHERE seq = ?1 AND state = 0",
+            )?
+            .execute([seq])?;
+        Ok(())
     }
 
     /// Counts a publish the broker refused; parks the row once it was refused `max_refusals` times, so it no

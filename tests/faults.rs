@@ -2,6 +2,9 @@
 //! deleted underneath a running inbox, the database held busy by another process, a corrupt file. Each gives
 //! a clear error of a known variant, nothing is reported done that is not durable, and the inbox recovers once
 //! the cause is gone.
+//!
+//! A custom test harness (`harness = false`, libtest-mimic): a case this machine cannot stage (no private
+//! mount namespace for a read-only file system) is reported as ignored, with the reason, never as passed.
 
 mod cli_support;
 mod common;
@@ -12,6 +15,7 @@ use std::time::Duration;
 
 use edge_inbox::rusqlite::{ffi, Connection};
 use edge_inbox::{Config, Delivery, Error, Inbox, Outcome, Status, Tx};
+use libtest_mimic::{Arguments, Completion, Trial};
 
 const SCOPE: &str = "faults";
 const CHILD_ENV: &str = "EDGE_INBOX_FAULT_DIR";
@@ -64,7 +68,6 @@ fn kill(mut child: Child) {
     let _ = child.wait();
 }
 
-#[test]
 fn disk_full_fails_cleanly_and_the_same_delivery_commits_once_space_returns() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
@@ -117,7 +120,6 @@ fn disk_full_fails_cleanly_and_the_same_delivery_commits_once_space_returns() {
     assert_eq!(inbox.scope_stats(SCOPE).unwrap().processed, 2);
 }
 
-#[test]
 fn a_read_only_database_refuses_writes_without_reporting_anything_done() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
@@ -149,9 +151,15 @@ fn a_read_only_database_refuses_writes_without_reporting_anything_done() {
         Outcome::Processed
     ));
     assert_eq!(effects(inbox.connection(), "ro"), 1);
-    drop(inbox);
+}
 
-    // A read-only file system, when this machine lets us make one (a private mount namespace).
+/// A read-only file system, when this machine lets us make one (a private mount namespace); else ignored.
+fn a_database_on_a_read_only_mount_is_refused_at_open() -> Completion {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = Inbox::open(&path, Config::default()).unwrap();
+    inbox.process(&delivery("before"), bump).unwrap();
+    drop(inbox);
     let ro_dir = dir.path().join("ro");
     std::fs::create_dir(&ro_dir).unwrap();
     std::fs::copy(&path, ro_dir.join("inbox.db")).unwrap();
@@ -169,8 +177,9 @@ fn a_read_only_database_refuses_writes_without_reporting_anything_done() {
         .stderr(Stdio::null())
         .status();
     if !probe.is_ok_and(|s| s.success()) {
-        eprintln!("no private mount namespace here: read-only file system case not run");
-        return;
+        return Completion::ignored_with(
+            "no private mount namespace here (`unshare -m` with a read-only bind mount failed)",
+        );
     }
     let cmd = common::child_command("child_opens_on_a_read_only_mount");
     let mut args = vec![cmd.get_program().to_owned()];
@@ -187,12 +196,11 @@ fn a_read_only_database_refuses_writes_without_reporting_anything_done() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    Completion::Completed
 }
 
-#[test]
-#[ignore = "child process of a_read_only_database_refuses_writes_without_reporting_anything_done"]
 fn child_opens_on_a_read_only_mount() {
-    let Some(dir) = child_dir() else { return };
+    let dir = child_dir().expect("started as a child, with its directory");
     let path = dir.join("inbox.db");
     let err = Inbox::open(&path, Config::default()).unwrap_err();
     // The file is there and intact, but SQLite can create neither the WAL nor its index next to it.
@@ -204,7 +212,6 @@ fn child_opens_on_a_read_only_mount() {
     assert!(err.to_string().contains("cannot open"), "{err}");
 }
 
-#[test]
 fn wal_deleted_underneath_a_running_inbox_loses_nothing_that_was_reported_done() {
     let dir = tempfile::tempdir().unwrap();
     let child = spawn_child("child_deletes_its_wal_and_keeps_committing", dir.path());
@@ -244,10 +251,8 @@ fn wal_deleted_underneath_a_running_inbox_loses_nothing_that_was_reported_done()
     assert_eq!(check["ok"], true, "{check}");
 }
 
-#[test]
-#[ignore = "child process of wal_deleted_underneath_a_running_inbox_loses_nothing_that_was_reported_done"]
 fn child_deletes_its_wal_and_keeps_committing() {
-    let Some(dir) = child_dir() else { return };
+    let dir = child_dir().expect("started as a child, with its directory");
     let path = dir.join("inbox.db");
     let mut inbox = Inbox::open(&path, Config::default()).unwrap();
     let mut done = Vec::new();
@@ -274,7 +279,6 @@ fn child_deletes_its_wal_and_keeps_committing() {
     std::thread::sleep(Duration::from_secs(120)); // killed by the parent
 }
 
-#[test]
 fn a_database_held_busy_by_another_process_is_busy_not_duplicate_and_recovers_when_it_dies() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
@@ -318,10 +322,8 @@ fn a_database_held_busy_by_another_process_is_busy_not_duplicate_and_recovers_wh
     assert_eq!(inbox.scope_stats(SCOPE).unwrap().duplicates, 0);
 }
 
-#[test]
-#[ignore = "child process of a_database_held_busy_by_another_process_is_busy_not_duplicate_and_recovers_when_it_dies"]
 fn child_holds_the_write_lock() {
-    let Some(dir) = child_dir() else { return };
+    let dir = child_dir().expect("started as a child, with its directory");
     let conn = Connection::open(dir.join("inbox.db")).unwrap();
     conn.execute_batch("BEGIN IMMEDIATE").unwrap();
     conn.execute(
@@ -333,7 +335,6 @@ fn child_holds_the_write_lock() {
     std::thread::sleep(Duration::from_secs(120)); // killed by the parent
 }
 
-#[test]
 fn a_corrupt_file_is_refused_at_open_and_a_corrupt_page_is_reported_by_check() {
     let dir = tempfile::tempdir().unwrap();
     // Garbage where the header should be.
@@ -411,4 +412,72 @@ fn a_corrupt_file_is_refused_at_open_and_a_corrupt_page_is_reported_by_check() {
         inbox.process(&delivery("evt-1"), bump).unwrap(),
         Outcome::Duplicate
     ));
+}
+
+type Case = (&'static str, fn());
+
+/// The cases, each run in this process.
+const CASES: [Case; 4] = [
+    (
+        "disk_full_fails_cleanly_and_the_same_delivery_commits_once_space_returns",
+        disk_full_fails_cleanly_and_the_same_delivery_commits_once_space_returns,
+    ),
+    (
+        "a_read_only_database_refuses_writes_without_reporting_anything_done",
+        a_read_only_database_refuses_writes_without_reporting_anything_done,
+    ),
+    (
+        "wal_deleted_underneath_a_running_inbox_loses_nothing_that_was_reported_done",
+        wal_deleted_underneath_a_running_inbox_loses_nothing_that_was_reported_done,
+    ),
+    (
+        "a_database_held_busy_by_another_process_is_busy_not_duplicate_and_recovers_when_it_dies",
+        a_database_held_busy_by_another_process_is_busy_not_duplicate_and_recovers_when_it_dies,
+    ),
+];
+
+/// The other halves of the cases above, run only in a child process started by one of them.
+const CHILDREN: [Case; 3] = [
+    (
+        "child_opens_on_a_read_only_mount",
+        child_opens_on_a_read_only_mount,
+    ),
+    (
+        "child_deletes_its_wal_and_keeps_committing",
+        child_deletes_its_wal_and_keeps_committing,
+    ),
+    ("child_holds_the_write_lock", child_holds_the_write_lock),
+];
+
+fn main() {
+    let args = Arguments::from_args();
+    let mut trials: Vec<Trial> = CASES
+        .iter()
+        .chain(
+            [(
+                "a_corrupt_file_is_refused_at_open_and_a_corrupt_page_is_reported_by_check",
+                a_corrupt_file_is_refused_at_open_and_a_corrupt_page_is_reported_by_check as fn(),
+            )]
+            .iter(),
+        )
+        .map(|&(name, f)| {
+            Trial::test(name, move || {
+                f();
+                Ok(())
+            })
+        })
+        .collect();
+    trials.push(Trial::ignorable_test(
+        "a_database_on_a_read_only_mount_is_refused_at_open",
+        || Ok(a_database_on_a_read_only_mount_is_refused_at_open()),
+    ));
+    if child_dir().is_some() {
+        trials.extend(CHILDREN.iter().map(|&(name, f)| {
+            Trial::test(name, move || {
+                f();
+                Ok(())
+            })
+        }));
+    }
+    libtest_mimic::run(&args, trials).exit();
 }

@@ -22,6 +22,9 @@ use outbox_support::Subscriber;
 
 const SCOPE: &str = "inventory-reservation";
 const DOWNSTREAM: &str = "stock-projection";
+/// Probes the raw subscriber receives and the downstream consumer does not: once a probe published after a
+/// kill arrives, everything the broker had before it has been forwarded too.
+const PROBE_TOPIC: &str = "stock/probe";
 
 /// Reserves, and announces it: `stock/reserved/<order>` always, `stock/audit/<order>` for every third
 /// order (two messages from one handler call).
@@ -68,7 +71,8 @@ fn relay(port: u16, db: &Path) -> Relay {
 }
 
 /// The process the parent kills: the consumer, and the relay unless `EDGE_INBOX_OUTBOX_MODE=consumer`.
-/// With `final`, it drains everything, then exits.
+/// With `final`, it runs until `EDGE_INBOX_OUTBOX_ORDERS` orders are processed and the outbox is drained,
+/// then exits.
 #[test]
 #[ignore = "child process of kill9_between_commit_publish_and_puback_loses_and_doubles_nothing"]
 fn outbox_crash_child() {
@@ -82,12 +86,29 @@ fn outbox_crash_child() {
     let port: u16 = port.parse().unwrap();
     let db = Path::new(&db);
     let relay = (mode != "consumer").then(|| relay(port, db));
-    let idle = if mode == "final" { 3 } else { 600 };
-    let s = consumer(port, db)
-        .exit_when_idle(Duration::from_secs(idle))
-        .run(reserve)
-        .unwrap();
+    let mut consumer = consumer(port, db);
+    let watcher = (mode == "final").then(|| {
+        let orders: u64 = std::env::var("EDGE_INBOX_OUTBOX_ORDERS")
+            .unwrap()
+            .parse()
+            .unwrap();
+        let stop = consumer.stop_handle();
+        let db = db.to_owned();
+        // Every order processed: a positive signal, not an idle window.
+        std::thread::spawn(move || {
+            let inbox = Inbox::open(&db, Config::default()).unwrap();
+            let done = common::wait_for(Duration::from_secs(120), || {
+                (inbox.scope_stats(SCOPE).ok()?.processed >= orders).then_some(())
+            });
+            stop.stop();
+            done.is_some()
+        })
+    });
+    let s = consumer.run(reserve).unwrap();
     println!("child consumer: {s:?}");
+    if let Some(w) = watcher {
+        assert!(w.join().unwrap(), "not every order was processed");
+    }
     if let Some(relay) = relay {
         let inbox = Inbox::open(db, Config::default()).unwrap();
         let drained = common::wait_for(Duration::from_secs(90), || {
@@ -107,9 +128,10 @@ impl Drop for Guard {
     }
 }
 
-fn spawn_child(port: u16, db: &Path, mode: &str) -> Guard {
+fn spawn_child(port: u16, db: &Path, mode: &str, orders: u64) -> Guard {
     let mut cmd = common::child_command("outbox_crash_child");
     cmd.env("EDGE_INBOX_OUTBOX_PORT", port.to_string())
+        .env("EDGE_INBOX_OUTBOX_ORDERS", orders.to_string())
         .env("EDGE_INBOX_OUTBOX_DB", db)
         .env("EDGE_INBOX_OUTBOX_MODE", mode)
         .stdout(std::process::Stdio::null())
@@ -178,7 +200,9 @@ fn kill9_between_commit_publish_and_puback_loses_and_doubles_nothing() {
         .unwrap();
     let downstream_consumer = || {
         let inbox = Inbox::open(&down_db, Config::default()).unwrap();
-        let mqtt = MqttConfig::new("127.0.0.1", port, "outbox-downstream").subscribe("stock/#");
+        let mqtt = MqttConfig::new("127.0.0.1", port, "outbox-downstream")
+            .subscribe("stock/reserved/#")
+            .subscribe("stock/audit/#");
         Consumer::new(inbox, DOWNSTREAM, mqtt)
     };
     let apply = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
@@ -224,10 +248,21 @@ fn kill9_between_commit_publish_and_puback_loses_and_doubles_nothing() {
     let mut kills = 0;
     // Kills that left committed rows nobody had received, and rows received but not marked sent.
     let (mut unpublished_kills, mut unconfirmed_kills) = (0, 0);
+    let mut probes = 0u32;
     let mut post_mortem = |kills: &mut usize| {
         *kills += 1;
-        // Publishes already on the wire reach the subscriber before we look.
-        std::thread::sleep(Duration::from_millis(300));
+        // Publishes that reached the broker before the kill reach the subscriber before a probe published
+        // after it: wait for the probe, then look.
+        probes += 1;
+        let probe = format!("probe-{probes}");
+        publish_v5(port, &[Msg::new(PROBE_TOPIC, None, probe.as_bytes())]);
+        let flushed = common::wait_for(Duration::from_secs(30), || {
+            sub.got()
+                .iter()
+                .any(|g| g.topic == PROBE_TOPIC && g.payload == probe.as_bytes())
+                .then_some(())
+        });
+        assert!(flushed.is_some(), "{probe} did not arrive");
         let (pending, _) = outbox_state(&db);
         let seen = sub.ids();
         if pending.iter().any(|id| !seen.contains(id)) {
@@ -247,7 +282,7 @@ fn kill9_between_commit_publish_and_puback_loses_and_doubles_nothing() {
             publish_v5(port, chunk);
         }
         let before = outbox_state(&db).0.len();
-        let child = spawn_child(port, &db, "consumer");
+        let child = spawn_child(port, &db, "consumer", orders);
         common::wait_for(Duration::from_secs(20), || {
             (outbox_state(&db).0.len() > before).then_some(())
         });
@@ -256,7 +291,7 @@ fn kill9_between_commit_publish_and_puback_loses_and_doubles_nothing() {
         post_mortem(&mut kills);
 
         let received = sub.count();
-        let child = spawn_child(port, &db, "both");
+        let child = spawn_child(port, &db, "both", orders);
         if round.is_multiple_of(2) {
             let until = Instant::now() + Duration::from_secs(20);
             while sub.count() == received && Instant::now() < until {
@@ -273,7 +308,7 @@ fn kill9_between_commit_publish_and_puback_loses_and_doubles_nothing() {
     }
 
     // A last process drains everything and exits.
-    let mut last = spawn_child(port, &db, "final");
+    let mut last = spawn_child(port, &db, "final", orders);
     let exited = common::wait_for(Duration::from_secs(180), || last.0.try_wait().unwrap());
     assert!(
         exited.is_some_and(|s| s.success()),
@@ -313,7 +348,18 @@ fn kill9_between_commit_publish_and_puback_loses_and_doubles_nothing() {
     assert_eq!(sent, expected.len(), "each message recorded exactly once");
 
     // The subscriber: every message at least once, always with the same id, content and producer.
-    let by_id = sub.payloads_by_id();
+    let relayed: Vec<_> = sub
+        .got()
+        .into_iter()
+        .filter(|g| g.topic != PROBE_TOPIC)
+        .collect();
+    let mut by_id: BTreeMap<String, BTreeSet<Vec<u8>>> = BTreeMap::new();
+    for g in &relayed {
+        by_id
+            .entry(g.message_id.clone().unwrap_or_default())
+            .or_default()
+            .insert(g.payload.clone());
+    }
     assert_eq!(
         by_id.keys().cloned().collect::<BTreeSet<_>>(),
         expected.keys().cloned().collect::<BTreeSet<_>>(),
@@ -323,10 +369,7 @@ fn kill9_between_commit_publish_and_puback_loses_and_doubles_nothing() {
         let want: BTreeSet<Vec<u8>> = [expected[id].clone().into_bytes()].into();
         assert_eq!(payloads, &want, "message {id}");
     }
-    assert!(sub
-        .got()
-        .iter()
-        .all(|g| g.producer.as_deref() == Some(SCOPE)));
+    assert!(relayed.iter().all(|g| g.producer.as_deref() == Some(SCOPE)));
 
     // Downstream: each message applied exactly once, redeliveries recognised.
     let down = Inbox::open(&down_db, Config::default()).unwrap();

@@ -28,6 +28,11 @@ use crate::store::txn::{begin, commit, release};
 /// Longest `last_error` text kept per message.
 const MAX_ERROR_LEN: usize = 2048;
 
+/// How long a worker leaves the write lock free after a transaction that used its whole
+/// [`WorkerConfig::lock_budget`]. SQLite's busy handler has a waiting writer (a receiving consumer) retry at
+/// least every 100 ms; a shorter gap could fall between two of its retries every time and starve it.
+const LOCK_YIELD: Duration = Duration::from_millis(120);
+
 /// Settings of a [`Worker`]. Start from [`WorkerConfig::default`] and change what you need.
 ///
 /// ```
@@ -44,6 +49,7 @@ pub struct WorkerConfig {
     backoff_base: Duration,
     backoff_max: Duration,
     idle_wait: Duration,
+    lock_budget: Duration,
     owner: Option<String>,
 }
 
@@ -56,13 +62,16 @@ impl Default for WorkerConfig {
             backoff_base: Duration::from_secs(1),
             backoff_max: Duration::from_secs(300),
             idle_wait: Duration::from_millis(100),
+            lock_budget: Duration::from_millis(100),
             owner: None,
         }
     }
 }
 
 impl WorkerConfig {
-    /// How long a claim is exclusive. It must comfortably exceed the time to process one claimed batch: a
+    /// How long a claim is exclusive. It must comfortably exceed the time to process one claimed batch (with
+    /// slow handlers, including the pauses after each transaction that used its
+    /// [`lock_budget`](WorkerConfig::lock_budget), about a tenth of a second each): a
     /// worker that overruns its lease has its commit refused ([`Completion::LeaseLost`]) and the work is
     /// redone by whoever claims the message next. Default 30 s.
     pub fn lease(mut self, lease: Duration) -> Self {
@@ -90,6 +99,18 @@ impl WorkerConfig {
         self
     }
 
+    /// Longest time [`Worker::run_once`] (and so [`Worker::run_until`]) keeps running handlers in one apply
+    /// transaction, which holds the database's write lock. Once it is used up, the claims done so far commit
+    /// and the rest of the batch follows in further transactions (each runs at least one handler, so a
+    /// transaction holds the lock for at most the budget plus one handler's run). After such a transaction
+    /// the worker leaves the lock free for a moment before its next write, so that a consumer receiving on the
+    /// same file (`Consumer::receive_only`, [`Inbox::receive`]) gets its turn instead of running into its busy
+    /// timeout. Default 100 ms.
+    pub fn lock_budget(mut self, budget: Duration) -> Self {
+        self.lock_budget = budget;
+        self
+    }
+
     /// How long [`Worker::run_until`] sleeps when nothing is claimable. Default 100 ms.
     pub fn idle_wait(mut self, wait: Duration) -> Self {
         self.idle_wait = wait;
@@ -106,6 +127,11 @@ impl WorkerConfig {
     /// The configured lease.
     pub fn get_lease(&self) -> Duration {
         self.lease
+    }
+
+    /// The configured lock budget per apply transaction.
+    pub fn get_lock_budget(&self) -> Duration {
+        self.lock_budget
     }
 
     /// The configured batch size.
@@ -248,6 +274,8 @@ pub struct Worker {
     scope_id: i64,
     owner: String,
     config: WorkerConfig,
+    /// After an apply transaction that used its whole lock budget: no write transaction before this instant.
+    lock_free_until: Option<Instant>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -278,6 +306,7 @@ impl Worker {
             scope_id,
             owner,
             config,
+            lock_free_until: None,
         })
     }
 
@@ -314,6 +343,7 @@ impl Worker {
         if max == 0 {
             return Ok(claims);
         }
+        self.yield_lock();
         let conn = &self.inbox.conn;
         abandon_leftover(conn);
         // A claim need not survive a power cut: lost, it only makes its messages claimable again, and the
@@ -367,9 +397,24 @@ impl Worker {
         if claims.is_empty() {
             return Ok(());
         }
+        self.apply_transaction(claims, handler, None, out).map(drop)
+    }
+
+    /// One apply transaction over `claims`, or, with a `budget`, over the prefix of them whose handlers
+    /// started within it (at least one). Returns how many claims it applied; `out` holds their completions.
+    fn apply_transaction<H: Handler>(
+        &mut self,
+        claims: &[Claim],
+        handler: &mut H,
+        budget: Option<Duration>,
+        out: &mut Vec<Completion>,
+    ) -> Result<usize> {
+        self.yield_lock();
         let conn = &self.inbox.conn;
         abandon_leftover(conn);
         begin(conn)?;
+        let started = Instant::now();
+        let deadline = budget.map(|b| started + b);
         let result = apply_claims(
             conn,
             &self.scope,
@@ -379,9 +424,14 @@ impl Worker {
             claims,
             handler,
             &self.inbox.buf,
+            deadline,
             out,
         )
-        .and_then(|()| commit(conn));
+        .and_then(|n| commit(conn).map(|()| n));
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            self.lock_free_until = Some(Instant::now() + LOCK_YIELD);
+        }
+        let conn = &self.inbox.conn;
         if let Err(e) = result {
             out.clear();
             if !conn.is_autocommit() {
@@ -395,7 +445,17 @@ impl Worker {
             }
             return Err(e);
         }
-        Ok(())
+        result
+    }
+
+    /// Waits out the pause owed to other writers after a transaction that used its whole lock budget.
+    fn yield_lock(&mut self) {
+        if let Some(until) = self.lock_free_until.take() {
+            let left = until.saturating_duration_since(Instant::now());
+            if !left.is_zero() {
+                std::thread::sleep(left);
+            }
+        }
     }
 
     /// Gives leases back without consuming an attempt, so the messages are claimable at once. Safe whatever
@@ -421,24 +481,33 @@ impl Worker {
         result
     }
 
-    /// Claims up to [`WorkerConfig::batch`] messages and applies them ([`Worker::claim`] then
-    /// [`Worker::complete`]). Returns what happened; `claimed == 0` means nothing was claimable.
+    /// Claims up to [`WorkerConfig::batch`] messages and applies them ([`Worker::claim`], then apply
+    /// transactions like [`Worker::complete`], each within [`WorkerConfig::lock_budget`]). Returns what
+    /// happened; `claimed == 0` means nothing was claimable.
+    ///
+    /// An `Err` leaves the failing transaction's messages uncommitted (their leases given back when possible);
+    /// messages of earlier transactions of the same call stay committed.
     pub fn run_once<H: Handler>(&mut self, handler: &mut H) -> Result<Drained> {
         let claims = self.claim(self.config.batch)?;
         let mut drained = Drained {
             claimed: claims.len(),
             ..Drained::default()
         };
-        if claims.is_empty() {
-            return Ok(drained);
-        }
-        for c in self.complete(&claims, handler)? {
-            match c {
-                Completion::Processed => drained.processed += 1,
-                Completion::Retrying { .. } => drained.retrying += 1,
-                Completion::DeadLettered { .. } => drained.dead_lettered += 1,
-                Completion::LeaseLost => drained.lease_lost += 1,
+        let mut rest = &claims[..];
+        let mut out = Vec::with_capacity(claims.len());
+        while !rest.is_empty() {
+            let budget = Some(self.config.lock_budget);
+            // On an error the transaction gives back the leases of all of `rest`.
+            let applied = self.apply_transaction(rest, handler, budget, &mut out)?;
+            for c in out.drain(..) {
+                match c {
+                    Completion::Processed => drained.processed += 1,
+                    Completion::Retrying { .. } => drained.retrying += 1,
+                    Completion::DeadLettered { .. } => drained.dead_lettered += 1,
+                    Completion::LeaseLost => drained.lease_lost += 1,
+                }
             }
+            rest = &rest[applied..];
         }
         Ok(drained)
     }
@@ -562,14 +631,22 @@ fn apply_claims<H: Handler>(
     claims: &[Claim],
     handler: &mut H,
     buf: &std::cell::RefCell<Vec<u8>>,
+    deadline: Option<Instant>,
     out: &mut Vec<Completion>,
-) -> Result<()> {
+) -> Result<usize> {
     // Read the clock under the write lock, so "lease not expired" is judged at commit time.
     let now_ms = unix_now_ms();
     let now = now_ms.div_euclid(1000);
     let failure = std::cell::Cell::new(None);
     let (mut processed, mut failures, mut dead) = (0i64, 0i64, 0i64);
+    let mut applied = 0;
     for c in claims {
+        // The write lock is held from the first claim on: past the budget, the rest waits for the next
+        // transaction.
+        if applied > 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+            break;
+        }
+        applied += 1;
         conn.savepoint()?;
         let owned = conn
             .prepare_cached(
@@ -661,5 +738,5 @@ fn apply_claims<H: Handler>(
          dead_lettered = dead_lettered + ?4 WHERE scope_id = ?1",
     )?
     .execute((scope_id, processed, failures, dead))?;
-    Ok(())
+    Ok(applied)
 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rumqttc::v5::mqttbytes::v5::{PubAckReason, PublishProperties};
+use rumqttc::v5::mqttbytes::v5::{PubAckReason, Publish, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS as Q5;
 
 use crate::inbox::Inbox;
@@ -98,7 +98,9 @@ pub struct RelayStats {
     pub confirmed: u64,
     /// Rows marked sent in the database.
     pub marked: u64,
-    /// PUBACKs with a failure reason code (the row stays pending and is sent again after a backoff).
+    /// PUBACKs with a failure reason code (the row stays pending and is sent again after a backoff, or is
+    /// parked after [`RelayConfig::max_refusals`]), and rows parked unsent because they exceed the broker's
+    /// Maximum Packet Size.
     pub refused: u64,
     /// Connections accepted by the broker.
     pub connections: u64,
@@ -109,7 +111,8 @@ pub struct RelayStats {
 }
 
 /// Publishes the outbox: a thread that sends committed rows over its own MQTT 5 connection, in seq order,
-/// with the user properties `message-id` and `producer` of each row, and marks a row sent only after the
+/// with the user properties `message-id` and `producer` of each row and `sent-at` (the row's commit time,
+/// Unix seconds as a decimal string, the same on every resend), and marks a row sent only after the
 /// broker's PUBACK for it.
 ///
 /// - **At least once, stable id.** A crash or a lost connection between the publish and the mark leaves
@@ -121,6 +124,10 @@ pub struct RelayStats {
 ///   order. A publish the broker *refuses* (PUBACK with a failure reason code, e.g. not authorized) is sent
 ///   again after a backoff, by which time later messages of the same window may have been delivered: only
 ///   that case reorders.
+/// - **Parked, not stuck.** A row the broker refused [`RelayConfig::max_refusals`] times, or one larger than
+///   the Maximum Packet Size the broker announced in its CONNACK (it could never be sent), is parked: kept,
+///   counted in [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding back the rows after it,
+///   until [`Inbox::requeue_parked_outbox`].
 /// - **Bounded.** At most [`RelayConfig::inflight`] messages are unconfirmed at a time; while the broker is
 ///   away rows wait in the database and the relay retries with backoff.
 /// - **Threads.** The relay thread owns its [`Inbox`] (open a second one on the same file: reading the
@@ -228,7 +235,8 @@ impl Drop for Relay {
 
 /// What a connection's poll thread tells the relay thread.
 enum RelayEvent {
-    Connected,
+    /// CONNACK, with the broker's Maximum Packet Size if it set one.
+    Connected(Option<u32>),
     /// rumqttc wrote the next queued publish, with this packet id (0 for QoS0).
     Published(u16),
     PubAck {
@@ -288,7 +296,9 @@ fn poll(mut conn: rumqttc::v5::Connection, tx: Sender<RelayEvent>, stop: Arc<Ato
     use rumqttc::Outgoing;
     loop {
         let event = match conn.recv_timeout(Duration::from_millis(100)) {
-            Ok(Ok(E::Incoming(Packet::ConnAck(_)))) => RelayEvent::Connected,
+            Ok(Ok(E::Incoming(Packet::ConnAck(ack)))) => {
+                RelayEvent::Connected(ack.properties.and_then(|p| p.max_packet_size))
+            }
             Ok(Ok(E::Outgoing(Outgoing::Publish(pkid)))) => RelayEvent::Published(pkid),
             Ok(Ok(E::Incoming(Packet::PubAck(ack)))) => RelayEvent::PubAck {
                 pkid: ack.pkid,
@@ -428,6 +438,8 @@ impl RelayLoop {
     fn connection(&mut self, link: &Link, flight: &mut Flight) -> Ended {
         let window = usize::from(self.config.inflight);
         let mut connected = false;
+        // The broker's Maximum Packet Size (CONNACK), if it set one.
+        let mut max_packet = None;
         let mut drain_until: Option<Instant> = None;
         loop {
             if self.stop.is_stopped() {
@@ -439,7 +451,7 @@ impl RelayLoop {
                     return Ended::Stopped;
                 }
             } else if connected && flight.outstanding() < window {
-                if let Err(e) = self.fill(link, flight, window) {
+                if let Err(e) = self.fill(link, flight, window, max_packet) {
                     return e;
                 }
             }
@@ -454,8 +466,9 @@ impl RelayLoop {
             };
             while let Some(event) = next.take() {
                 match event {
-                    RelayEvent::Connected => {
+                    RelayEvent::Connected(max) => {
                         connected = true;
+                        max_packet = max;
                         self.bump(|s| s.connections += 1);
                         log::info!("outbox relay connected");
                     }
@@ -513,8 +526,16 @@ impl RelayLoop {
         }
     }
 
-    /// Queues pending rows after the cursor, up to the window.
-    fn fill(&mut self, link: &Link, flight: &mut Flight, window: usize) -> Result<(), Ended> {
+    /// Queues pending rows after the cursor, up to the window. A row too large for the broker's Maximum
+    /// Packet Size is parked instead: rumqttc would fail to encode it and drop the connection, and it would
+    /// hold back every row after it, for ever.
+    fn fill(
+        &mut self,
+        link: &Link,
+        flight: &mut Flight,
+        window: usize,
+        max_packet: Option<u32>,
+    ) -> Result<(), Ended> {
         let room = window - flight.outstanding();
         let rows = match self.inbox.outbox_pending(flight.cursor, room) {
             Ok(rows) => rows,
@@ -539,11 +560,38 @@ impl RelayLoop {
             props
                 .user_properties
                 .push(("producer".into(), row.producer));
+            // When the row was committed, not when it is sent: every resend carries the same stamp.
+            props
+                .user_properties
+                .push(("sent-at".into(), row.created_at.to_string()));
             props.user_properties.extend(row.properties.user_properties);
             let qos = match row.qos {
                 Qos::AtMostOnce => Q5::AtMostOnce,
                 Qos::AtLeastOnce => Q5::AtLeastOnce,
             };
+            if let Some(max) = max_packet {
+                let size = packet_size(&row.topic, qos, &row.payload, &props);
+                if size > max as usize {
+                    match self.inbox.outbox_park(row.seq) {
+                        Ok(()) => {
+                            self.bump(|s| s.refused += 1);
+                            log::error!(
+                                "outbox message seq {} is {size} bytes on the wire, over the broker's maximum                                  packet size of {max}: parked for an operator (Inbox::requeue_parked_outbox);                                  the messages after it go on",
+                                row.seq
+                            );
+                            flight.cursor = row.seq;
+                            continue;
+                        }
+                        Err(e) => {
+                            self.bump(|s| s.storage_errors += 1);
+                            log::warn!(
+                                "outbox relay cannot park an oversized message: {e}; retrying"
+                            );
+                            return Ok(());
+                        }
+                    }
+                }
+            }
             if let Err(e) = link.client.try_publish_with_properties(
                 row.topic,
                 qos,
@@ -580,4 +628,14 @@ impl RelayLoop {
             }
         }
     }
+}
+
+/// The size of the PUBLISH packet rumqttc would write for this message, as it checks it against the broker's
+/// Maximum Packet Size (with the packet id a QoS1 publish gets).
+fn packet_size(topic: &str, qos: Q5, payload: &[u8], props: &PublishProperties) -> usize {
+    let mut p = Publish::new(topic, qos, payload.to_vec(), Some(props.clone()));
+    if qos != Q5::AtMostOnce {
+        p.pkid = 1;
+    }
+    p.size()
 }

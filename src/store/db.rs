@@ -8,6 +8,8 @@ use std::cell::{Cell, RefCell};
 use std::mem::ManuallyDrop;
 use std::ops::Deref;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use rusqlite::{Connection, OptionalExtension, Statement};
 
@@ -53,6 +55,32 @@ pub(crate) struct Db {
     wal_id: Cell<Option<(u64, u64)>>,
     /// Commits at least this slow are logged.
     pub(crate) slow_commit: Option<std::time::Duration>,
+    /// Shared with the connection's commit and rollback hooks: see [`HandlerGuard`].
+    guard: Arc<HandlerGuard>,
+}
+
+/// What the connection's commit and rollback hooks know about a running handler.
+///
+/// While a handler runs, the inbox's transaction is open, so no commit can legitimately happen: any commit
+/// SQLite attempts then is a statement running in autocommit because the transaction is gone (SQLite rolled
+/// it back on I/O trouble, NOMEM, an interrupt, a trigger's `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK`; or the
+/// handler ended it). The commit hook refuses every such commit, which SQLite turns into a rollback, so a
+/// raw statement through [`crate::Tx::sql`] cannot commit without the identity. Checking `is_autocommit`
+/// after the statement would be too late: it would already have committed. The rollback hook remembers that
+/// the transaction ended, so a handler that even opens a new one is still caught.
+#[derive(Default)]
+struct HandlerGuard {
+    active: AtomicBool,
+    ended: AtomicBool,
+}
+
+/// Armed while a handler runs ([`Db::arm_handler_guard`]); disarms on drop, also when the handler panics.
+pub(crate) struct Armed<'a>(&'a HandlerGuard);
+
+impl Drop for Armed<'_> {
+    fn drop(&mut self) {
+        self.0.active.store(false, Ordering::SeqCst);
+    }
 }
 
 // SAFETY: `Connection` is `Send`. The statements only borrow the connection owned by this same value, so
@@ -91,6 +119,18 @@ impl Db {
         // statement or reference is ever handed out of this module.
         let c: &'static Connection = unsafe { &*conn.as_ptr() };
         let prepared = Self::prepare(c);
+        let guard = Arc::new(HandlerGuard::default());
+        {
+            let g = guard.clone();
+            // `true` turns the COMMIT into a ROLLBACK.
+            c.commit_hook(Some(move || g.active.load(Ordering::SeqCst)));
+            let g = guard.clone();
+            c.rollback_hook(Some(move || {
+                if g.active.load(Ordering::SeqCst) {
+                    g.ended.store(true, Ordering::SeqCst);
+                }
+            }));
+        }
         match prepared {
             Ok(hot) => Ok(Db {
                 hot: ManuallyDrop::new(hot),
@@ -102,6 +142,7 @@ impl Db {
                 wal,
                 wal_id: Cell::new(None),
                 slow_commit: None,
+                guard,
             }),
             Err(e) => {
                 // SAFETY: no statement borrows the connection any more (`prepare` failed and dropped them).
@@ -194,6 +235,20 @@ fn savepoint_salt(c: &Connection) -> u64 {
 }
 
 impl Db {
+    /// Refuses every commit on this connection until the returned value is dropped, and starts noting
+    /// whether the open transaction ends. For the span of one handler call, inside the inbox's transaction.
+    pub(crate) fn arm_handler_guard(&self) -> Armed<'_> {
+        self.guard.ended.store(false, Ordering::SeqCst);
+        self.guard.active.store(true, Ordering::SeqCst);
+        Armed(&self.guard)
+    }
+
+    /// True when the transaction the armed handler runs in is gone (rolled back by SQLite or by the handler,
+    /// or committed by the handler), even if a new one was opened since.
+    pub(crate) fn handler_tx_ended(&self) -> bool {
+        self.guard.ended.load(Ordering::SeqCst) || self.is_autocommit()
+    }
+
     pub(crate) fn begin_immediate(&self) -> rusqlite::Result<()> {
         self.hot.begin.borrow_mut().execute([]).map(drop)
     }

@@ -126,8 +126,10 @@ pub enum Error {
     Codec(String),
     /// An argument given to the inbox is invalid (e.g. an empty scope name in a query).
     InvalidArgument(String),
-    /// A handler ended the inbox's transaction itself (ran `COMMIT` or `ROLLBACK` through
-    /// [`Tx::sql`](crate::Tx::sql)). The batch failed; nothing of it may be acked.
+    /// The inbox's transaction ended while a handler ran: the handler ran `COMMIT` or `ROLLBACK` through
+    /// [`Tx::sql`](crate::Tx::sql), or SQLite rolled it back by itself (a trigger's `RAISE(ROLLBACK)`,
+    /// `INSERT OR ROLLBACK`). Nothing the handler wrote committed; the batch failed and nothing of it may be
+    /// acked.
     HandlerEndedTransaction,
 }
 

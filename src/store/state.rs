@@ -87,6 +87,11 @@ impl<'a> Tx<'a> {
     /// The SQLite connection, inside the open transaction, for the application's own tables.
     /// Errors from it that mean storage trouble (busy, full, I/O, read-only) fail the whole batch as an
     /// [`Error`]; other errors returned by the handler (a constraint of your own, say) are handler failures.
+    ///
+    /// No statement run through it can commit on its own: if SQLite rolls the transaction back (an I/O
+    /// error, a trigger's `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK`), later statements would run in
+    /// autocommit, and the inbox refuses those commits (the statement fails with
+    /// `SQLITE_CONSTRAINT_COMMITHOOK`) and fails the batch with [`Error::HandlerEndedTransaction`].
     pub fn sql(&self) -> &Connection {
         self.conn
     }
@@ -136,7 +141,16 @@ impl<'a> Tx<'a> {
 
     /// Runs a statement of the inbox's own and remembers storage trouble, so a handler that swallows the
     /// error cannot commit a half-applied effect.
+    ///
+    /// Once the transaction is gone (SQLite rolled it back) or storage trouble was met, nothing more runs:
+    /// the batch fails anyway, and a write that ran now would run outside the delivery's transaction.
     pub(crate) fn track<T>(&self, f: impl FnOnce() -> rusqlite::Result<T>) -> Result<T> {
+        if let Some(code) = self.failure.get() {
+            return Err(crate::inbox::storage_error(code));
+        }
+        if self.conn.handler_tx_ended() {
+            return Err(Error::HandlerEndedTransaction);
+        }
         f().map_err(|e| {
             if let Some(code) = extended_code(&e).filter(|c| is_storage_failure(*c)) {
                 self.failure.set(Some(code));

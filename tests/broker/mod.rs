@@ -71,6 +71,21 @@ impl Broker {
         b
     }
 
+    /// A broker with `options` (mosquitto.conf lines, e.g. `max_packet_size 2048`) added to its config.
+    pub fn start_with_options(options: &str) -> Broker {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = Broker {
+            port: free_port(),
+            extra: format!("{options}\n"),
+            dir,
+            child: None,
+            max_inflight: 20,
+            verbose: false,
+        };
+        b.spawn();
+        b
+    }
+
     /// A broker that logs every packet (to check ack order from the broker's side).
     pub fn start_verbose(max_inflight: u16) -> Broker {
         let dir = tempfile::tempdir().unwrap();

@@ -1,0 +1,168 @@
+//! The relay's edges against a real mosquitto: the `sent-at` stamp every message carries (the same on a
+//! resend), and a row too large for the broker's Maximum Packet Size, which is parked instead of holding
+//! back the outbox.
+#![cfg(feature = "mqtt")]
+
+mod broker;
+mod common;
+mod outbox_support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use broker::Broker;
+use edge_inbox::{
+    Config, Delivery, Inbox, MqttConfig, OutboxProperties, Qos, Relay, RelayConfig, Tx,
+};
+use outbox_support::Subscriber;
+
+const SCOPE: &str = "relay-edges";
+
+/// Commits one delivery per payload; each handler call publishes its payload.
+fn commit(inbox: &mut Inbox, topic: &str, payloads: &[Vec<u8>]) {
+    let ids: Vec<String> = (0..payloads.len()).map(|i| format!("evt-{i}")).collect();
+    let deliveries: Vec<Delivery<'_>> = ids
+        .iter()
+        .zip(payloads)
+        .map(|(id, p)| Delivery::new(SCOPE, id, "orders", p))
+        .collect();
+    inbox
+        .process_batch(&deliveries, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
+            tx.publish(topic, d.payload, Qos::AtLeastOnce, &OutboxProperties::new())?;
+            Ok(())
+        })
+        .unwrap();
+}
+
+fn relay(db: &Path, port: u16, client: &str) -> Relay {
+    Relay::start_with(
+        Inbox::open(db, Config::default()).unwrap(),
+        MqttConfig::new("127.0.0.1", port, client),
+        RelayConfig::default().max_backoff(Duration::from_millis(200)),
+    )
+    .unwrap()
+}
+
+fn sent_at(props: &[(String, String)]) -> Vec<&str> {
+    props
+        .iter()
+        .filter(|(k, _)| k == "sent-at")
+        .map(|(_, v)| v.as_str())
+        .collect()
+}
+
+#[test]
+fn every_message_carries_its_commit_time_as_sent_at_also_when_resent() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let sub = Subscriber::start(broker.port, "edges-sub-sent-at", "stock/sent-at/#");
+    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
+    commit(
+        &mut inbox,
+        "stock/sent-at/x",
+        &[b"a".to_vec(), b"b".to_vec(), b"c".to_vec()],
+    );
+    // Rows committed long ago: the stamp must be the row's, not the time of sending.
+    inbox
+        .connection()
+        .execute("UPDATE outbox SET created_at = 1700000000 + seq", [])
+        .unwrap();
+    let expected = |payload: &[u8]| -> String {
+        inbox
+            .connection()
+            .query_row(
+                "SELECT created_at FROM outbox WHERE payload = ?1",
+                [payload],
+                |r| r.get::<_, i64>(0),
+            )
+            .unwrap()
+            .to_string()
+    };
+
+    let first = relay(&db, broker.port, "edges-relay-1");
+    let drained = common::wait_for(Duration::from_secs(30), || {
+        let b = inbox.outbox_backlog().unwrap();
+        (b.pending == 0 && sub.count() >= 3).then_some(())
+    });
+    first.stop();
+    assert!(
+        drained.is_some(),
+        "{:?}, {} received",
+        inbox.outbox_backlog(),
+        sub.count()
+    );
+
+    // Sent again (as after a crash before the mark): the copies carry the same stamp.
+    inbox
+        .connection()
+        .execute("UPDATE outbox SET state = 0, sent_at = NULL", [])
+        .unwrap();
+    let second = relay(&db, broker.port, "edges-relay-2");
+    let resent = common::wait_for(Duration::from_secs(30), || {
+        let b = inbox.outbox_backlog().unwrap();
+        (b.pending == 0 && sub.count() >= 6).then_some(())
+    });
+    second.stop();
+    assert!(
+        resent.is_some(),
+        "{:?}, {} received",
+        inbox.outbox_backlog(),
+        sub.count()
+    );
+
+    let got = sub.got();
+    assert_eq!(got.len(), 6, "each message twice");
+    for g in &got {
+        let want = expected(&g.payload);
+        assert_eq!(sent_at(&g.user_properties), [want.as_str()], "{g:?}");
+    }
+    // A handler cannot set the stamp itself.
+    let err = inbox.process(
+        &Delivery::new(SCOPE, "own-stamp", "orders", b"x"),
+        |tx: &mut Tx<'_>, _: &Delivery<'_>| {
+            tx.publish(
+                "stock/x",
+                b"x",
+                Qos::AtLeastOnce,
+                &OutboxProperties::new().user_property("sent-at", "1"),
+            )?;
+            Ok(())
+        },
+    );
+    assert!(
+        matches!(err, Ok(edge_inbox::Outcome::HandlerFailed(_))),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on() {
+    let broker = Broker::start_with_options("max_packet_size 2048");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let sub = Subscriber::start(broker.port, "edges-sub-big", "stock/big/#");
+    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
+    let big = vec![b'x'; 4096];
+    commit(
+        &mut inbox,
+        "stock/big/x",
+        &[b"small-0".to_vec(), big, b"small-2".to_vec()],
+    );
+
+    let relay = relay(&db, broker.port, "edges-relay-big");
+    let done = common::wait_for(Duration::from_secs(30), || {
+        let b = inbox.outbox_backlog().unwrap();
+        (b.parked == 1 && b.pending == 0 && b.sent == 2 && sub.count() >= 2).then_some(b)
+    });
+    let stats = relay.stop();
+    assert!(done.is_some(), "{:?} {stats:?}", inbox.outbox_backlog());
+    let payloads: Vec<Vec<u8>> = sub.got().into_iter().map(|g| g.payload).collect();
+    assert_eq!(payloads, [b"small-0".to_vec(), b"small-2".to_vec()]);
+    assert_eq!(
+        stats.connection_failures, 0,
+        "the big row never reached the wire: {stats:?}"
+    );
+    // Kept for an operator.
+    assert_eq!(inbox.requeue_parked_outbox().unwrap(), 1);
+}
