@@ -16,8 +16,8 @@ use crate::inbox::{Handler, Inbox};
 use crate::mqtt_conn::{self, AckQueued, AckToken, Client, Event, MqttConfig, Protocol, Shared};
 use crate::outcome::Outcome;
 
-/// Asks a running [`Consumer`] to stop: it finishes the batch in flight (commit, then acks), disconnects
-/// and returns from [`Consumer::run`]. Cheap to clone; usable from any thread or a signal handler flag.
+/// Asks a running [`Consumer`] to stop: it finishes the batch in flight (commit, then its PUBACKs, all
+/// written before the DISCONNECT), disconnects and returns from [`Consumer::run`]. Cheap to clone; usable from any thread or a signal handler flag.
 #[derive(Debug, Clone, Default)]
 pub struct StopHandle(Arc<AtomicBool>);
 
@@ -45,7 +45,7 @@ impl StopHandle {
 pub struct RunSummary {
     /// Publishes received (QoS0 and QoS1).
     pub received: u64,
-    /// PUBACKs sent.
+    /// PUBACKs written to the broker connection.
     pub acked: u64,
     /// Deliveries whose effect was committed.
     pub processed: u64,
@@ -91,7 +91,8 @@ struct Pending {
 /// 5. acks every delivery of the batch in arrival order.
 ///
 /// A storage error (or an unknown commit outcome) acks nothing: the batch is retried with backoff, logged
-/// with its SQLite code. A reconnect drops everything received on the old connection unacked; the broker
+/// with its SQLite code, when [`Error::is_retryable`]; otherwise its deliveries are committed one at a
+/// time and the one that fails for good is dead-lettered with the error as its reason. A reconnect drops everything received on the old connection unacked; the broker
 /// redelivers it (persistent session) and the inbox recognises what was already committed.
 pub struct Consumer {
     inbox: Inbox,
