@@ -17,7 +17,8 @@ use crate::mqtt_conn::{self, AckQueued, AckToken, Client, Event, MqttConfig, Pro
 use crate::outcome::Outcome;
 
 /// Asks a running [`Consumer`] to stop: it finishes the batch in flight (commit, then its PUBACKs, all
-/// written before the DISCONNECT), disconnects and returns from [`Consumer::run`]. Cheap to clone; usable from any thread or a signal handler flag.
+/// written before the DISCONNECT), disconnects and returns from [`Consumer::run`]. Cheap to clone; usable
+/// from any thread or a signal handler flag.
 #[derive(Debug, Clone, Default)]
 pub struct StopHandle(Arc<AtomicBool>);
 
@@ -92,8 +93,9 @@ struct Pending {
 ///
 /// A storage error (or an unknown commit outcome) acks nothing: the batch is retried with backoff, logged
 /// with its SQLite code, when [`Error::is_retryable`]; otherwise its deliveries are committed one at a
-/// time and the one that fails for good is dead-lettered with the error as its reason. A reconnect drops everything received on the old connection unacked; the broker
-/// redelivers it (persistent session) and the inbox recognises what was already committed.
+/// time and the one that fails for good is dead-lettered with the error as its reason. A reconnect drops
+/// everything received on the old connection unacked; the broker redelivers it (persistent session) and
+/// the inbox recognises what was already committed.
 pub struct Consumer {
     inbox: Inbox,
     scope: String,
@@ -277,8 +279,8 @@ impl Consumer {
                 Collected::Disconnected => break,
             }
         }
-        // The batch's PUBACKs are queued; the DISCONNECT goes behind them, and the poll thread ends once it
-        // has written it. Whatever still arrives was never committed here: left unacked for the broker to
+        // The batch's PUBACKs are queued; the DISCONNECT goes behind them, and the poll thread ends once the
+        // broker has closed the connection after reading them. Whatever still arrives was never committed here: left unacked for the broker to
         // redeliver, and drained only so that the poll thread is never stuck handing it over.
         shared.stop.store(true, Ordering::SeqCst);
         let deadline = Instant::now() + STOP_WAIT;
