@@ -225,8 +225,9 @@
 //! What it does for you:
 //!
 //! - **Session.** Manual acks, a stable client id and a persistent session (MQTT 5 `clean_start=false`
-//!   with a session expiry, or 3.1.1 `clean_session=false`), subscriptions at QoS1. The broker keeps what
-//!   we have not acked while we are away and sends it again.
+//!   with a session expiry, or 3.1.1 `clean_session=false`), subscriptions at QoS1, made again at every
+//!   connect (so a filter added to the configuration is subscribed even on a kept session). The broker
+//!   keeps what we have not acked while we are away and sends it again.
 //! - **Identity** from the application, never the packet id: the MQTT 5 user property `message-id` (and
 //!   `producer`), a CBOR [`Envelope`] in the payload for 3.1.1, or your own [`ExtractIdentity`]. A delivery
 //!   without an identity, with a malformed envelope or over the inbox [`Limits`] is logged, recorded with
@@ -238,16 +239,27 @@
 //!   3.1.1), or the consumer would wait for deliveries the broker withholds until it acks.
 //! - **Acks** only after the commit that covers the delivery returned `Ok` (processed, duplicate, conflict,
 //!   quarantined or dead-lettered), strictly in arrival order (MQTT-4.6.0-2). A reconnect drops whatever
-//!   was received on the old connection unacked; the broker redelivers it and the inbox recognises what
-//!   was already committed. An ack is never sent for a delivery of an earlier connection.
+//!   was received on the old connection unacked (also what the MQTT library had buffered from it); the
+//!   broker redelivers it and the inbox recognises what was already committed. An ack is never sent for a
+//!   delivery of an earlier connection: the check and the queueing of each PUBACK are one step against the
+//!   connection change, which purges the PUBACKs not yet written.
 //! - **Storage errors** (and an unknown commit outcome) ack nothing: they are logged with the SQLite code
-//!   and the same batch is retried with backoff until it commits, the connection ends or a stop is asked.
+//!   and, when [`Error::is_retryable`] (busy, I/O, full disk, unknown commit outcome), the same batch is
+//!   retried with backoff until it commits, the connection ends or a stop is asked. An error that would
+//!   repeat (corruption, a handler that ended the transaction, a statement error) is not retried: the
+//!   batch's deliveries are committed one at a time, and the one that fails for good is dead-lettered with
+//!   the error as its reason, then acked, so the stream moves on. Nothing is acked without that durable
+//!   record: if even the dead letter cannot be written, it is retried with backoff instead.
 //! - **Handler failures** are retried ([`Consumer::handler_attempts`]), then the delivery is dead-lettered
 //!   ([`Inbox::dead_letter_after`]: body kept with its reason; a redelivery is a duplicate; an operator can
 //!   requeue it) and acked.
 //! - **Threads.** A poll thread owns the connection and only moves packets over a bounded channel; it
-//!   never touches SQLite and never waits on an ack. The thread in [`Consumer::run`] owns the inbox. A
-//!   [`StopHandle`] finishes the batch in flight (commit, ack), disconnects and returns.
+//!   never touches SQLite and never waits on an ack. The thread in [`Consumer::run`] owns the inbox.
+//! - **Graceful stop.** A [`StopHandle`] (from the handler, another thread or a signal) finishes the batch
+//!   in flight: it commits it, queues every PUBACK of it, then a DISCONNECT behind them, and returns once
+//!   the broker has closed the connection (bounded at about 10 s), so a new run gets no redelivery of what
+//!   was committed. Deliveries received but not yet in the batch are left unacked for the broker to
+//!   redeliver; storage trouble at stop time acks nothing.
 //! - **TLS** through rustls with the *ring* provider only (no cmake or bindgen in cross builds) and
 //!   username/password ([`MqttConfig::credentials`]); credentials never appear in logs or `Debug` output.
 //!

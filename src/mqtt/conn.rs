@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::SyncSender;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -212,11 +212,34 @@ pub(crate) enum Client {
     V5(rumqttc::v5::Client),
 }
 
+/// What [`Client::try_ack_on`] did with a PUBACK.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AckQueued {
+    /// In rumqttc's request queue, for the connection it came on.
+    Queued,
+    /// The request queue is full (or closed): try again after draining deliveries.
+    Full,
+    /// The connection it came on has ended: never to be sent.
+    Stale,
+}
+
 impl Client {
-    /// Queues the PUBACK without blocking: `false` when rumqttc's request channel is full (or closed). The
-    /// caller keeps draining deliveries meanwhile, so the poll thread is never stuck handing one over while
-    /// the ack waits for it.
-    pub(crate) fn try_ack(&self, token: AckToken) -> bool {
+    /// Queues the PUBACK of a delivery received on connection `epoch`, if that connection is still the
+    /// current one, without blocking. See [`Shared`] for why the check and the queueing are one step.
+    pub(crate) fn try_ack_on(&self, shared: &Shared, epoch: u64, token: AckToken) -> AckQueued {
+        let current = shared.lock();
+        if *current != epoch {
+            return AckQueued::Stale;
+        }
+        if self.try_ack(token) {
+            AckQueued::Queued
+        } else {
+            AckQueued::Full
+        }
+    }
+
+    /// Queues the PUBACK without blocking: `false` when rumqttc's request channel is full (or closed).
+    fn try_ack(&self, token: AckToken) -> bool {
         match self {
             Client::V4(c) => {
                 let mut p = rumqttc::Publish::new("", QoS::AtLeastOnce, Vec::new());
@@ -231,18 +254,60 @@ impl Client {
         }
     }
 
-    pub(crate) fn disconnect(&self) {
-        let _ = match self {
-            Client::V4(c) => c.try_disconnect().map_err(drop),
-            Client::V5(c) => c.try_disconnect().map_err(drop),
-        };
+    /// Queues a DISCONNECT behind the PUBACKs already queued (rumqttc writes its requests in order).
+    /// `false` when the request channel is full (or closed).
+    pub(crate) fn try_disconnect(&self) -> bool {
+        match self {
+            Client::V4(c) => c.try_disconnect().is_ok(),
+            Client::V5(c) => c.try_disconnect().is_ok(),
+        }
     }
 }
 
-/// Shared between the poll thread and the consumer: the connection epoch and the stop flag.
+/// Shared between the poll thread and the consumer: the connection epoch, the stop flag and the count of
+/// PUBACKs written to a socket.
+///
+/// The epoch changes under its lock, and the poll thread purges rumqttc's request queue of PUBACKs while
+/// still holding it; [`Client::try_ack_on`] checks the epoch and queues the PUBACK under the same lock. So a
+/// PUBACK in that queue was always queued for the connection rumqttc currently writes to: when the
+/// connection ends, it is purged before anyone can take the new epoch for it.
 pub(crate) struct Shared {
-    pub(crate) epoch: AtomicU64,
+    epoch: Mutex<u64>,
     pub(crate) stop: Arc<AtomicBool>,
+    acks_written: AtomicU64,
+}
+
+impl Shared {
+    pub(crate) fn new() -> Shared {
+        Shared {
+            epoch: Mutex::new(0),
+            stop: Arc::new(AtomicBool::new(false)),
+            acks_written: AtomicU64::new(0),
+        }
+    }
+
+    /// The current connection epoch (odd gaps mark the time between a lost connection and the next).
+    pub(crate) fn epoch(&self) -> u64 {
+        *self.lock()
+    }
+
+    /// PUBACKs rumqttc wrote (and flushed) to a connection so far.
+    pub(crate) fn acks_written(&self) -> u64 {
+        self.acks_written.load(Ordering::SeqCst)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, u64> {
+        // The guarded value is a counter: a panic elsewhere cannot leave it inconsistent.
+        self.epoch.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts a new epoch and, under the same lock, runs `purge` (which drops what belongs to the old one).
+    fn next_epoch(&self, purge: impl FnOnce()) -> u64 {
+        let mut epoch = self.lock();
+        *epoch += 1;
+        purge();
+        *epoch
+    }
 }
 
 /// Largest packet MQTT can encode (the maximum Remaining Length plus the fixed header).
@@ -314,6 +379,29 @@ fn backoff_next(b: Duration) -> Duration {
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
+/// How long a stopping poll thread keeps writing what was queued before it (the last PUBACKs, then the
+/// DISCONNECT) before giving up on the connection.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// The next event, or `None` when the poll thread should end: every client is gone, or a stop has waited
+/// its grace for the DISCONNECT to be written and the broker to close the connection.
+fn next_event<T, E>(
+    stopping_since: &mut Option<std::time::Instant>,
+    stop: &AtomicBool,
+    recv: impl FnOnce(Option<Duration>) -> Option<Result<T, E>>,
+) -> Option<Result<T, E>> {
+    if stopping_since.is_none() && stop.load(Ordering::SeqCst) {
+        *stopping_since = Some(std::time::Instant::now());
+    }
+    match stopping_since {
+        None => recv(None),
+        Some(since) => {
+            let left = STOP_GRACE.checked_sub(since.elapsed())?;
+            recv(Some(left))
+        }
+    }
+}
+
 fn poll_v4(
     mut conn: rumqttc::Connection,
     client: rumqttc::Client,
@@ -323,22 +411,28 @@ fn poll_v4(
 ) {
     use rumqttc::{Event as E, Outgoing, Packet};
     let mut backoff = FIRST_BACKOFF;
+    let mut epoch = shared.epoch();
+    let mut stopping_since = None;
     loop {
-        match conn.recv() {
-            Ok(Ok(E::Incoming(Packet::ConnAck(ack)))) => {
+        let next = next_event(&mut stopping_since, &shared.stop, |wait| match wait {
+            None => conn.recv().ok(),
+            Some(d) => conn.recv_timeout(d).ok(),
+        });
+        let Some(next) = next else { return };
+        match next {
+            Ok(E::Incoming(Packet::ConnAck(ack))) => {
                 backoff = FIRST_BACKOFF;
-                let epoch = shared.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+                epoch = shared.next_epoch(|| ());
                 log::info!(
                     "connected (session present: {}), connection epoch {epoch}",
                     ack.session_present
                 );
-                if !ack.session_present {
-                    let filters = topics
-                        .iter()
-                        .map(|t| rumqttc::SubscribeFilter::new(t.clone(), QoS::AtLeastOnce));
-                    if let Err(e) = client.try_subscribe_many(filters) {
-                        log::error!("could not queue the subscription: {e}");
-                    }
+                // Always: a kept session may lack a filter added to the configuration since.
+                let filters = topics
+                    .iter()
+                    .map(|t| rumqttc::SubscribeFilter::new(t.clone(), QoS::AtLeastOnce));
+                if let Err(e) = client.try_subscribe_many(filters) {
+                    log::error!("could not queue the subscription: {e}");
                 }
                 if tx
                     .send(Event::Connected {
@@ -350,8 +444,11 @@ fn poll_v4(
                     return;
                 }
             }
-            Ok(Ok(E::Incoming(Packet::Publish(mut p)))) => {
-                let epoch = shared.epoch.load(Ordering::SeqCst);
+            Ok(E::Incoming(Packet::Publish(mut p))) => {
+                if shared.stop.load(Ordering::SeqCst) {
+                    // Never to be committed by this run: left unacked for the broker to redeliver.
+                    continue;
+                }
                 let payload = std::mem::take(&mut p.payload).to_vec();
                 let incoming = Incoming::new(std::mem::take(&mut p.topic), payload);
                 let token = (p.qos == QoS::AtLeastOnce).then_some(AckToken(p.pkid));
@@ -366,13 +463,35 @@ fn poll_v4(
                     return;
                 }
             }
-            Ok(Ok(E::Outgoing(Outgoing::Disconnect))) if shared.stop.load(Ordering::Relaxed) => {
-                return
+            Ok(E::Outgoing(Outgoing::PubAck(_))) => {
+                shared.acks_written.fetch_add(1, Ordering::SeqCst);
             }
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                shared.epoch.fetch_add(1, Ordering::SeqCst);
-                if shared.stop.load(Ordering::Relaxed) {
+            Ok(E::Outgoing(Outgoing::Disconnect)) if shared.stop.load(Ordering::SeqCst) => {
+                // Not closed yet: the broker still sends into our socket, and closing it with unread data
+                // would reset the connection, discarding the last PUBACKs and the DISCONNECT before the
+                // broker reads them. Read on until the broker closes it (an error, below).
+                log::debug!("DISCONNECT written; waiting for the broker to close the connection");
+            }
+            Ok(_) => {}
+            Err(e) => {
+                // Before anything else: nothing of the old connection may be acked or handed over any more.
+                // rumqttc keeps publishes it read before the error and yields them after the next ConnAck.
+                let el = &mut conn.eventloop;
+                epoch = shared.next_epoch(|| {
+                    el.clean();
+                    let written = el
+                        .state
+                        .events
+                        .iter()
+                        .filter(|e| matches!(e, E::Outgoing(Outgoing::PubAck(_))))
+                        .count();
+                    shared
+                        .acks_written
+                        .fetch_add(written as u64, Ordering::SeqCst);
+                    el.state.events.clear();
+                });
+                if shared.stop.load(Ordering::SeqCst) {
+                    log::debug!("connection to the broker closed while stopping: {e}");
                     return;
                 }
                 log::warn!(
@@ -381,7 +500,6 @@ fn poll_v4(
                 nap(backoff, &shared.stop);
                 backoff = backoff_next(backoff);
             }
-            Err(_) => return,
         }
     }
 }
@@ -396,22 +514,28 @@ fn poll_v5(
     use rumqttc::v5::{Event as E, Incoming as Packet};
     use rumqttc::Outgoing;
     let mut backoff = FIRST_BACKOFF;
+    let mut epoch = shared.epoch();
+    let mut stopping_since = None;
     loop {
-        match conn.recv() {
-            Ok(Ok(E::Incoming(Packet::ConnAck(ack)))) => {
+        let next = next_event(&mut stopping_since, &shared.stop, |wait| match wait {
+            None => conn.recv().ok(),
+            Some(d) => conn.recv_timeout(d).ok(),
+        });
+        let Some(next) = next else { return };
+        match next {
+            Ok(E::Incoming(Packet::ConnAck(ack))) => {
                 backoff = FIRST_BACKOFF;
-                let epoch = shared.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+                epoch = shared.next_epoch(|| ());
                 log::info!(
                     "connected (session present: {}), connection epoch {epoch}",
                     ack.session_present
                 );
-                if !ack.session_present {
-                    let filters = topics
-                        .iter()
-                        .map(|t| p5::Filter::new(t.clone(), Q5::AtLeastOnce));
-                    if let Err(e) = client.try_subscribe_many(filters) {
-                        log::error!("could not queue the subscription: {e}");
-                    }
+                // Always: a kept session may lack a filter added to the configuration since.
+                let filters = topics
+                    .iter()
+                    .map(|t| p5::Filter::new(t.clone(), Q5::AtLeastOnce));
+                if let Err(e) = client.try_subscribe_many(filters) {
+                    log::error!("could not queue the subscription: {e}");
                 }
                 if tx
                     .send(Event::Connected {
@@ -423,8 +547,11 @@ fn poll_v5(
                     return;
                 }
             }
-            Ok(Ok(E::Incoming(Packet::Publish(mut p)))) => {
-                let epoch = shared.epoch.load(Ordering::SeqCst);
+            Ok(E::Incoming(Packet::Publish(mut p))) => {
+                if shared.stop.load(Ordering::SeqCst) {
+                    // Never to be committed by this run: left unacked for the broker to redeliver.
+                    continue;
+                }
                 let payload = std::mem::take(&mut p.payload).to_vec();
                 let topic = String::from_utf8_lossy(&p.topic).into_owned();
                 let mut incoming = Incoming::new(topic, payload);
@@ -443,13 +570,34 @@ fn poll_v5(
                     return;
                 }
             }
-            Ok(Ok(E::Outgoing(Outgoing::Disconnect))) if shared.stop.load(Ordering::Relaxed) => {
-                return
+            Ok(E::Outgoing(Outgoing::PubAck(_))) => {
+                shared.acks_written.fetch_add(1, Ordering::SeqCst);
             }
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => {
-                shared.epoch.fetch_add(1, Ordering::SeqCst);
-                if shared.stop.load(Ordering::Relaxed) {
+            Ok(E::Outgoing(Outgoing::Disconnect)) if shared.stop.load(Ordering::SeqCst) => {
+                // Not closed yet: the broker still sends into our socket, and closing it with unread data
+                // would reset the connection, discarding the last PUBACKs and the DISCONNECT before the
+                // broker reads them. Read on until the broker closes it (an error, below).
+                log::debug!("DISCONNECT written; waiting for the broker to close the connection");
+            }
+            Ok(_) => {}
+            Err(e) => {
+                // Before anything else: nothing of the old connection may be acked or handed over any more.
+                let el = &mut conn.eventloop;
+                epoch = shared.next_epoch(|| {
+                    el.clean();
+                    let written = el
+                        .state
+                        .events
+                        .iter()
+                        .filter(|e| matches!(e, E::Outgoing(Outgoing::PubAck(_))))
+                        .count();
+                    shared
+                        .acks_written
+                        .fetch_add(written as u64, Ordering::SeqCst);
+                    el.state.events.clear();
+                });
+                if shared.stop.load(Ordering::SeqCst) {
+                    log::debug!("connection to the broker closed while stopping: {e}");
                     return;
                 }
                 log::warn!(
@@ -458,7 +606,6 @@ fn poll_v5(
                 nap(backoff, &shared.stop);
                 backoff = backoff_next(backoff);
             }
-            Err(_) => return,
         }
     }
 }

@@ -2,7 +2,7 @@
 //! after the commit that covers it.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,14 +10,17 @@ use std::time::{Duration, Instant};
 use crate::deferred::backlog::BacklogThreshold;
 use crate::inbox::{Handler, Inbox};
 use crate::mqtt::ack_queue::AckQueue;
-use crate::mqtt::conn::{self as mqtt_conn, AckToken, Client, Event, MqttConfig, Protocol, Shared};
+use crate::mqtt::conn::{
+    self as mqtt_conn, AckQueued, AckToken, Client, Event, MqttConfig, Protocol, Shared,
+};
 use crate::mqtt::extract::{ExtractIdentity, Identity, Incoming, UserProperty};
 use crate::store::error::{Error, Result};
 use crate::store::identity::Delivery;
 use crate::store::outcome::Outcome;
 
-/// Asks a running [`Consumer`] to stop: it finishes the batch in flight (commit, then acks), disconnects
-/// and returns from [`Consumer::run`]. Cheap to clone; usable from any thread or a signal handler flag.
+/// Asks a running [`Consumer`] to stop: it finishes the batch in flight (commit, then its PUBACKs, all
+/// written before the DISCONNECT), disconnects and returns from [`Consumer::run`]. Cheap to clone; usable
+/// from any thread or a signal handler flag.
 #[derive(Debug, Clone, Default)]
 pub struct StopHandle(Arc<AtomicBool>);
 
@@ -45,7 +48,7 @@ impl StopHandle {
 pub struct RunSummary {
     /// Publishes received (QoS0 and QoS1).
     pub received: u64,
-    /// PUBACKs sent.
+    /// PUBACKs written to the broker connection.
     pub acked: u64,
     /// Deliveries whose effect was committed.
     pub processed: u64,
@@ -91,8 +94,10 @@ struct Pending {
 /// 5. acks every delivery of the batch in arrival order.
 ///
 /// A storage error (or an unknown commit outcome) acks nothing: the batch is retried with backoff, logged
-/// with its SQLite code. A reconnect drops everything received on the old connection unacked; the broker
-/// redelivers it (persistent session) and the inbox recognises what was already committed.
+/// with its SQLite code, when [`Error::is_retryable`]; otherwise its deliveries are committed one at a
+/// time and the one that fails for good is dead-lettered with the error as its reason. A reconnect drops
+/// everything received on the old connection unacked; the broker redelivers it (persistent session) and
+/// the inbox recognises what was already committed.
 pub struct Consumer {
     inbox: Inbox,
     scope: String,
@@ -213,10 +218,7 @@ impl Consumer {
             );
         }
         let (tx, rx) = sync_channel(window + 16);
-        let shared = Arc::new(Shared {
-            epoch: AtomicU64::new(0),
-            stop: Arc::new(AtomicBool::new(false)),
-        });
+        let shared = Arc::new(Shared::new());
         let (client, poller) = mqtt_conn::start(&self.mqtt, tx, shared.clone()).map_err(|e| {
             Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}"))
         })?;
@@ -279,16 +281,49 @@ impl Consumer {
                 Collected::Disconnected => break,
             }
         }
-        // Whatever is still in the channel was never committed here: left unacked for the broker to redeliver.
+        // The batch's PUBACKs are queued; the DISCONNECT goes behind them, and the poll thread ends once the
+        // broker has closed the connection after reading them. Whatever still arrives was never committed here: left unacked for the broker to
+        // redeliver, and drained only so that the poll thread is never stuck handing it over.
         shared.stop.store(true, Ordering::SeqCst);
-        client.disconnect();
-        // Dropping the receiver frees a poll thread blocked handing over a delivery.
-        let summary = run.summary;
+        let deadline = Instant::now() + STOP_WAIT;
+        let mut disconnect_queued = false;
+        loop {
+            if !disconnect_queued {
+                disconnect_queued = client.try_disconnect();
+            }
+            match run.rx.recv_timeout(Duration::from_millis(20)) {
+                Ok(_) | Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            if poller.is_finished() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                log::warn!("the connection did not close in {STOP_WAIT:?}; leaving it behind");
+                break;
+            }
+        }
+        let mut summary = run.summary;
         drop(run);
-        let _ = poller.join();
+        if poller.is_finished() {
+            let _ = poller.join();
+        }
+        summary.acked = shared.acks_written();
         log::info!("consumer for scope {} stopped: {summary:?}", self.scope);
         Ok(summary)
     }
+}
+
+/// How long a stop waits for the last PUBACKs and the DISCONNECT to be written.
+const STOP_WAIT: Duration = Duration::from_secs(10);
+
+/// What a commit attempt came to.
+enum Tried<T> {
+    Done(T),
+    /// The connection ended or a stop came while storage kept failing: nothing may be acked.
+    GaveUp,
+    /// A failure that would repeat (not [retryable](Error::is_retryable)).
+    Failed(Error),
 }
 
 enum Collected {
@@ -416,7 +451,7 @@ impl Run<'_> {
     }
 
     fn connection_current(&self) -> bool {
-        self.shared.epoch.load(Ordering::SeqCst) == self.epoch
+        self.shared.epoch() == self.epoch
     }
 
     /// Commits the batch and acks it, in arrival order. Returns early, acking nothing more, when the
@@ -470,40 +505,51 @@ impl Run<'_> {
             .collect();
         let mut outcomes = std::mem::take(&mut self.outcomes);
         let receive_only = self.receive_only;
-        let committed = self.retry("commit", |inbox| {
+        let committed = self.attempt("commit", |inbox| {
             if receive_only {
                 inbox.receive_batch_into(&deliveries, &mut outcomes)
             } else {
                 inbox.process_batch_into(&deliveries, handler, &mut outcomes)
             }
         });
-        if committed.is_none() {
-            self.outcomes = outcomes;
-            return self.abandon(batch.len());
-        }
         let mut all_settled = true;
-        for (k, outcome) in outcomes.drain(..).enumerate() {
-            let d = &deliveries[k];
-            if let Outcome::HandlerFailed(err) = outcome {
-                self.summary.handler_failures += 1;
-                if !self.retry_handler(d, err, handler) {
-                    all_settled = false;
-                    break;
+        match committed {
+            Tried::GaveUp => all_settled = false,
+            Tried::Done(()) => {
+                for (k, outcome) in outcomes.drain(..).enumerate() {
+                    if !self.settle_one(&deliveries[k], outcome, handler) {
+                        all_settled = false;
+                        break;
+                    }
+                    self.queue.settle(batch[good[k]].ticket);
                 }
-            } else if let Outcome::Expired {
-                quarantined: None,
-                sent_at,
-                pruned_before,
-            } = outcome
-            {
-                if !self.quarantine_expired(d, sent_at, pruned_before) {
-                    all_settled = false;
-                    break;
-                }
-            } else {
-                self.count(&outcome);
             }
-            self.queue.settle(batch[good[k]].ticket);
+            Tried::Failed(why) => {
+                // A deterministic failure would fail the batch forever: find the delivery behind it alone.
+                log::warn!(
+                    "a batch of {} failed for good ({why}); settling its deliveries one at a time",
+                    deliveries.len()
+                );
+                for (k, d) in deliveries.iter().enumerate() {
+                    let alone = self.attempt("commit", |inbox| {
+                        if receive_only {
+                            inbox.receive(d)
+                        } else {
+                            inbox.process(d, &mut *handler)
+                        }
+                    });
+                    let settled = match alone {
+                        Tried::Done(outcome) => self.settle_one(d, outcome, handler),
+                        Tried::GaveUp => false,
+                        Tried::Failed(why) => self.dead_letter(d, 1, &format!("{why}")),
+                    };
+                    if !settled {
+                        all_settled = false;
+                        break;
+                    }
+                    self.queue.settle(batch[good[k]].ticket);
+                }
+            }
         }
         outcomes.clear();
         self.outcomes = outcomes;
@@ -511,6 +557,31 @@ impl Run<'_> {
             return self.abandon(batch.len());
         }
         self.ack_ready();
+    }
+
+    /// Makes one committed outcome final (retrying a failed handler, quarantining an expired delivery) and
+    /// counts it. False when storage trouble outlived the connection or a stop (nothing may be acked).
+    fn settle_one<H: Handler>(
+        &mut self,
+        d: &Delivery<'_>,
+        outcome: Outcome,
+        handler: &mut H,
+    ) -> bool {
+        match outcome {
+            Outcome::HandlerFailed(err) => {
+                self.summary.handler_failures += 1;
+                self.retry_handler(d, err, handler)
+            }
+            Outcome::Expired {
+                quarantined: None,
+                sent_at,
+                pruned_before,
+            } => self.quarantine_expired(d, sent_at, pruned_before),
+            other => {
+                self.count(&other);
+                true
+            }
+        }
     }
 
     /// An expired delivery rejected by the scope's policy. A consumer cannot refuse a delivery without
@@ -542,28 +613,39 @@ impl Run<'_> {
         while attempts < self.handler_attempts {
             attempts += 1;
             std::thread::sleep(Duration::from_millis(10 * u64::from(attempts)));
-            match self.retry("commit", |inbox| inbox.process(d, &mut *handler)) {
-                None => return false,
-                Some(Outcome::HandlerFailed(e)) => {
+            match self.attempt("commit", |inbox| inbox.process(d, &mut *handler)) {
+                Tried::GaveUp => return false,
+                Tried::Failed(why) => {
+                    let reason = format!("handler failed {attempts} time(s), the last with: {why}");
+                    return self.dead_letter(d, attempts, &reason);
+                }
+                Tried::Done(Outcome::HandlerFailed(e)) => {
                     self.summary.handler_failures += 1;
                     err = e;
                 }
-                Some(Outcome::Expired {
+                Tried::Done(Outcome::Expired {
                     quarantined: None,
                     sent_at,
                     pruned_before,
                 }) => {
                     return self.quarantine_expired(d, sent_at, pruned_before);
                 }
-                Some(o) => {
+                Tried::Done(o) => {
                     self.count(&o);
                     return true;
                 }
             }
         }
         let reason = format!("handler failed {attempts} time(s): {err:#}");
+        self.dead_letter(d, attempts, &reason)
+    }
+
+    /// Records `d` as a dead letter with its reason; only then may it be acked. The record is retried
+    /// whatever the error: without it nothing may be acked. False when storage trouble outlived the
+    /// connection or a stop.
+    fn dead_letter(&mut self, d: &Delivery<'_>, attempts: u32, reason: &str) -> bool {
         match self.retry("dead letter", |inbox| {
-            inbox.dead_letter_after(d, attempts, &reason)
+            inbox.dead_letter_after(d, attempts, reason)
         }) {
             None => false,
             Some(Outcome::Processed) => {
@@ -582,13 +664,42 @@ impl Run<'_> {
         }
     }
 
-    /// Runs `f` until it succeeds, backing off on errors. `None` when the connection the batch came on has
+    /// Runs `f` until it succeeds, backing off on errors, whatever they are: for the durable records that
+    /// must exist before an ack (quarantine, dead letters). `None` when the connection the batch came on has
     /// ended or a stop was requested first: then nothing of the batch may be acked.
-    fn retry<T>(&mut self, what: &str, mut f: impl FnMut(&mut Inbox) -> Result<T>) -> Option<T> {
+    fn retry<T>(&mut self, what: &str, f: impl FnMut(&mut Inbox) -> Result<T>) -> Option<T> {
+        match self.backoff(what, true, f) {
+            Tried::Done(v) => Some(v),
+            Tried::GaveUp | Tried::Failed(_) => None,
+        }
+    }
+
+    /// Like [`Run::retry`] for a commit of deliveries, but an error that is not
+    /// [retryable](Error::is_retryable) comes back as [`Tried::Failed`] at once: trying again would fail
+    /// the same way and hold back everything behind it.
+    fn attempt<T>(&mut self, what: &str, f: impl FnMut(&mut Inbox) -> Result<T>) -> Tried<T> {
+        self.backoff(what, false, f)
+    }
+
+    fn backoff<T>(
+        &mut self,
+        what: &str,
+        retry_all: bool,
+        mut f: impl FnMut(&mut Inbox) -> Result<T>,
+    ) -> Tried<T> {
         let mut backoff = Duration::from_millis(50);
         loop {
             match f(self.inbox) {
-                Ok(v) => return Some(v),
+                Ok(v) => return Tried::Done(v),
+                Err(e) if !retry_all && !e.is_retryable() => {
+                    self.summary.storage_errors += 1;
+                    log::error!(
+                        "{what} failed for good (SQLite code {}): {e}; not acked",
+                        e.sqlite_code()
+                            .map_or_else(|| "none".to_owned(), |c| c.to_string())
+                    );
+                    return Tried::Failed(e);
+                }
                 Err(e) => {
                     self.summary.storage_errors += 1;
                     log::error!(
@@ -599,7 +710,7 @@ impl Run<'_> {
                     let until = Instant::now() + backoff;
                     while Instant::now() < until {
                         if !self.connection_current() || self.stopping() {
-                            return None;
+                            return Tried::GaveUp;
                         }
                         std::thread::sleep(Duration::from_millis(20));
                     }
@@ -615,20 +726,18 @@ impl Run<'_> {
         self.queue.clear();
     }
 
-    /// Sends the PUBACKs of every settled delivery at the front of the queue, in arrival order, while the
-    /// connection they came on is still the current one.
+    /// Queues the PUBACKs of every settled delivery at the front of the queue, in arrival order, for the
+    /// connection they came on; once it has ended, the rest stay unacked (the broker redelivers them).
     fn ack_ready(&mut self) {
         while let Some(token) = self.queue.pop_ready() {
             let Some(token) = token else { continue };
-            if !self.connection_current() {
-                let left = self.queue.len() + 1;
-                log::info!("connection changed before the acks: leaving {left} committed deliveries unacked");
-                self.summary.dropped_stale += left as u64;
-                self.queue.clear();
-                return;
-            }
             if !self.queue_ack(token) {
-                log::warn!("the connection is closed; the broker redelivers what was not acked");
+                let left = self.queue.len() + 1;
+                log::info!(
+                    "the connection ended before the acks: leaving {left} settled deliveries unacked; \
+                     the broker redelivers them"
+                );
+                self.summary.dropped_stale += left as u64;
                 self.queue.clear();
                 return;
             }
@@ -638,17 +747,22 @@ impl Run<'_> {
 }
 
 impl Run<'_> {
-    /// Queues one PUBACK, draining incoming events into the backlog while rumqttc's request channel is
-    /// full. False when the poll thread has ended or the connection changed meanwhile (the ack would be
-    /// stale: the broker redelivers instead).
+    /// Queues one PUBACK for the connection of the batch, draining incoming events into the backlog while
+    /// rumqttc's request channel is full. False when that connection has ended or the poll thread is gone
+    /// (the broker redelivers instead). A stop does not end the wait: the batch's acks go out first.
     fn queue_ack(&mut self, token: AckToken) -> bool {
+        let mut stopping_since: Option<Instant> = None;
         loop {
-            // A stop also ends the wait: an ack not sent is redelivered, never lost.
-            if !self.connection_current() || self.stopping() {
-                return false;
+            match self.client.try_ack_on(self.shared, self.epoch, token) {
+                AckQueued::Queued => return true,
+                AckQueued::Stale => return false,
+                AckQueued::Full => {}
             }
-            if self.client.try_ack(token) {
-                return true;
+            if self.stopping() {
+                let since = *stopping_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= STOP_WAIT {
+                    return false;
+                }
             }
             match self.rx.try_recv() {
                 Ok(e) => self.backlog.push_back(e),

@@ -32,6 +32,8 @@ pub struct Broker {
     verbose: bool,
     /// Listener options appended to the generated config (TLS, authentication).
     extra: String,
+    /// Whether sessions and queued deliveries survive a restart.
+    persistence: bool,
 }
 
 impl Broker {
@@ -49,6 +51,7 @@ impl Broker {
             max_inflight,
             verbose: false,
             extra: String::new(),
+            persistence: true,
         };
         b.spawn();
         b
@@ -66,6 +69,7 @@ impl Broker {
             child: None,
             max_inflight: 20,
             verbose: false,
+            persistence: true,
         };
         b.spawn();
         b
@@ -96,9 +100,39 @@ impl Broker {
             max_inflight,
             verbose: true,
             extra: String::new(),
+            persistence: true,
         };
         b.spawn();
         b
+    }
+
+    /// A broker without persistence that logs every packet: a restart forgets every session.
+    pub fn start_volatile_verbose(max_inflight: u16) -> Broker {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = Broker {
+            port: free_port(),
+            dir,
+            child: None,
+            max_inflight,
+            verbose: true,
+            extra: String::new(),
+            persistence: false,
+        };
+        b.spawn();
+        b
+    }
+
+    /// Kills the broker (SIGKILL: connections drop at once, nothing is saved).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the broker again on the same port (after [`Broker::kill`] or [`Broker::stop`]).
+    pub fn start_again(&mut self) {
+        self.spawn();
     }
 
     fn spawn(&mut self) {
@@ -108,11 +142,12 @@ impl Broker {
         std::fs::set_permissions(self.dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
         let conf = self.dir.path().join("mosquitto.conf");
         let config = format!(
-            "listener {} 127.0.0.1\nallow_anonymous {}\npersistence true\npersistence_location {}/\n\
+            "listener {} 127.0.0.1\nallow_anonymous {}\npersistence {}\npersistence_location {}/\n\
              autosave_interval 1\nmax_inflight_messages {}\nmax_queued_messages 100000\n\
              log_dest file {}/mosquitto.log\nlog_type error\nlog_type warning\nlog_type notice\n",
             self.port,
             !self.extra.contains("password_file"),
+            self.persistence,
             self.dir.path().display(),
             self.max_inflight,
             self.dir.path().display()
@@ -226,6 +261,7 @@ impl Broker {
             max_inflight: 20,
             verbose: false,
             extra,
+            persistence: true,
         };
         b.spawn();
         (b, ca_pem)
