@@ -85,6 +85,7 @@ impl Broker {
             child: None,
             max_inflight: 20,
             verbose: false,
+            persistence: true,
         };
         b.spawn();
         b
