@@ -134,6 +134,15 @@ fn full_sync_keeps_every_acknowledged_delivery_at_every_cut() {
             "no cut during {phase}"
         );
     }
+    // Inside the maintenance steps, not only around them: after their own writes, before their syncs.
+    for phase in ["prune payloads", "incremental vacuum", "checkpoint"] {
+        let inside = run
+            .snapshots
+            .iter()
+            .filter(|s| s.label.starts_with(phase) && s.boundary != Boundary::Step)
+            .count();
+        assert!(inside > 0, "no cut inside a {phase} step");
+    }
     assert!(syncs >= run.acks.len() / 8, "{syncs} sync boundaries");
     assert!(unacked_lost > 0, "no cut ever discarded a commit in flight");
 }
