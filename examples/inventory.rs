@@ -160,9 +160,13 @@ fn demo(db: Option<PathBuf>) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
     let db = db.unwrap_or_else(|| dir.path().join("inventory.db"));
-    let broker = support::Mosquitto::start(dir.path())?;
-    let addr = format!("127.0.0.1:{}", broker.port);
-    eprintln!("mosquitto on {addr}, inbox {}", db.display());
+    let broker = support::LocalBroker::start(dir.path())?;
+    let addr = broker.addr();
+    eprintln!(
+        "{}",
+        broker.banner("inventory run --broker HOST:PORT --db PATH")
+    );
+    eprintln!("inbox {}", db.display());
     let run = RunArgs {
         broker: Some(addr.clone()),
         db: Some(db.clone()),
