@@ -1,11 +1,11 @@
 //! A real broker on a free 127.0.0.1 port: mosquitto (generated config in a temp dir, killed on drop) or rumqttd
 //! inside the test process.
 //!
-//! `EDGE_INBOX_TEST_BROKER` chooses what [`Broker::start`] runs: `mosquitto`, `embedded`, or `auto` (the default:
+//! `EDGE_INBOX_LOCAL_BROKER` chooses what [`Broker::start`] runs: `mosquitto`, `embedded`, or `auto` (the default:
 //! mosquitto when installed, else embedded). `EDGE_INBOX_MOSQUITTO` names the mosquitto executable (a path that
 //! does not exist stands for a machine without it). Tests that need mosquitto itself (a restart with
 //! persistence, its log, TLS, ACLs, `mosquitto_pub`) live in the `mosquitto_only` target, which reports them
-//! ignored when mosquitto is missing, unless `EDGE_INBOX_TEST_BROKER=mosquitto` demands it.
+//! ignored when mosquitto is missing, unless `EDGE_INBOX_LOCAL_BROKER=mosquitto` demands it.
 #![allow(dead_code)]
 
 #[path = "../../examples/support/embedded.rs"]
@@ -84,9 +84,9 @@ pub enum Kind {
     Embedded,
 }
 
-/// What `EDGE_INBOX_TEST_BROKER` selects (see the module docs).
+/// What `EDGE_INBOX_LOCAL_BROKER` selects (see the module docs).
 pub fn selected() -> Kind {
-    match std::env::var("EDGE_INBOX_TEST_BROKER")
+    match std::env::var("EDGE_INBOX_LOCAL_BROKER")
         .unwrap_or_default()
         .as_str()
     {
@@ -94,24 +94,24 @@ pub fn selected() -> Kind {
         "embedded" => Kind::Embedded,
         "" | "auto" if mosquitto_exe().is_some() => Kind::Mosquitto,
         "" | "auto" => Kind::Embedded,
-        other => panic!("EDGE_INBOX_TEST_BROKER={other:?}: expected auto, mosquitto or embedded"),
+        other => panic!("EDGE_INBOX_LOCAL_BROKER={other:?}: expected auto, mosquitto or embedded"),
     }
 }
 
 /// Runs the mosquitto-only tests (a `harness = false` target): each runs when mosquitto is installed, and is
-/// reported ignored, with the reason, when it is not, unless `EDGE_INBOX_TEST_BROKER=mosquitto` (CI), where a
+/// reported ignored, with the reason, when it is not, unless `EDGE_INBOX_LOCAL_BROKER=mosquitto` (CI), where a
 /// missing mosquitto fails them.
 pub fn run_mosquitto_only(tests: &[(&'static str, fn())]) -> ! {
     let args = libtest_mimic::Arguments::from_args();
     let missing = mosquitto_missing();
-    let demanded = std::env::var("EDGE_INBOX_TEST_BROKER").as_deref() == Ok("mosquitto");
+    let demanded = std::env::var("EDGE_INBOX_LOCAL_BROKER").as_deref() == Ok("mosquitto");
     let trials = tests
         .iter()
         .map(|&(name, test)| {
             let missing = missing.clone();
             libtest_mimic::Trial::ignorable_test(name, move || match missing {
                 Some(why) if demanded => {
-                    Err(format!("EDGE_INBOX_TEST_BROKER=mosquitto, but {why}").into())
+                    Err(format!("EDGE_INBOX_LOCAL_BROKER=mosquitto, but {why}").into())
                 }
                 Some(why) => Ok(libtest_mimic::Completion::ignored_with(why)),
                 None => {
