@@ -1,4 +1,4 @@
-//! The MQTT consumer against a real mosquitto on 127.0.0.1.
+//! The MQTT consumer against a real broker on 127.0.0.1 (mosquitto or the embedded one: see `broker`).
 #![cfg(feature = "mqtt")]
 
 mod broker;

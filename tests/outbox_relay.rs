@@ -1,5 +1,5 @@
-//! The relay against a real mosquitto: properties and ids on the wire, and a broker that goes away while
-//! rows are committed.
+//! The relay against a real broker (mosquitto or the embedded one: see `broker`): properties and ids on the
+//! wire. A broker that goes away while rows are committed needs a mosquitto restart: see `mosquitto_only`.
 #![cfg(feature = "mqtt")]
 
 mod broker;
