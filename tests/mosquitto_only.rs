@@ -36,10 +36,6 @@ fn main() {
             consumer::storage_errors_ack_nothing_and_the_batch_is_retried_until_it_commits,
         ),
         (
-            "consumer::a_batch_committed_after_its_connection_died_is_not_acked_and_its_redelivery_is_a_duplicate",
-            consumer::a_batch_committed_after_its_connection_died_is_not_acked_and_its_redelivery_is_a_duplicate,
-        ),
-        (
             "relay::rows_wait_while_the_broker_is_away_and_drain_in_order_when_it_returns",
             relay::rows_wait_while_the_broker_is_away_and_drain_in_order_when_it_returns,
         ),

@@ -216,6 +216,66 @@ fn bad_json_is_dead_lettered_after_retries_and_oversized_payloads_are_quarantine
 }
 
 #[test]
+fn a_batch_committed_after_its_connection_died_is_not_acked_and_its_redelivery_is_a_duplicate() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{mpsc, Arc};
+    let mut broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    prime(&broker, &db, "inv-stale", Protocol::V5);
+    let n = 10u32;
+    let msgs: Vec<Msg> = (0..n)
+        .map(|i| {
+            Msg::new(
+                &format!("orders/{i}"),
+                Some(&format!("evt-{i}")),
+                order(i, "H-8", 1, "created"),
+            )
+        })
+        .collect();
+    publish_v5(broker.port, &msgs);
+
+    // The handler holds the first batch open until its connection has died under it.
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let release = Arc::new(AtomicBool::new(false));
+    let gate = release.clone();
+    let mut first = true;
+    let handler = move |tx: &mut edge_inbox::Tx<'_>, d: &edge_inbox::Delivery<'_>| {
+        if first {
+            first = false;
+            let _ = entered_tx.send(());
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            while !gate.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        inventory_handler(tx, d)
+    };
+    let mut c = consumer(&broker, &db, "inv-stale", Protocol::V5, Config::default())
+        .exit_when_idle(Duration::from_secs(3));
+    let worker = std::thread::spawn(move || c.run(handler).unwrap());
+    entered_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the handler never ran");
+    broker.drop_connections();
+    release.store(true, Ordering::SeqCst);
+    let s = worker.join().unwrap();
+
+    assert!(s.connections >= 2, "{s:?}");
+    assert!(
+        s.dropped_stale >= 1,
+        "the batch of the dead connection was not acked: {s:?}"
+    );
+    assert_eq!(s.processed, u64::from(n), "{s:?}");
+    assert!(
+        s.duplicates >= 1,
+        "the broker redelivered what was committed but not acked: {s:?}"
+    );
+    assert_eq!(reserved(&db, SCOPE, "H-8"), i64::from(n));
+    assert_eq!(drain(&broker, &db, "inv-stale", Protocol::V5).received, 0);
+}
+
+#[test]
 fn receive_only_stores_pending_acks_and_workers_apply_each_once() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();

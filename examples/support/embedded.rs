@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -16,6 +17,8 @@ use anyhow::{bail, Context};
 pub struct Embedded {
     /// The loopback port both protocol versions are served on.
     pub port: u16,
+    /// The client side of every connection through the front.
+    clients: Arc<Mutex<Vec<TcpStream>>>,
 }
 
 fn free_loopback_addr() -> anyhow::Result<SocketAddr> {
@@ -82,16 +85,32 @@ impl Embedded {
         }
         let front = TcpListener::bind("127.0.0.1:0")?;
         let port = front.local_addr()?.port();
+        let clients = Arc::new(Mutex::new(Vec::new()));
+        let registry = clients.clone();
         std::thread::Builder::new()
             .name("mqtt-front".into())
             .spawn(move || {
                 for client in front.incoming().flatten() {
+                    if let Ok(c) = client.try_clone() {
+                        let mut all = registry.lock().unwrap();
+                        // Closed ones are dropped here, so the list stays as long as the live connections.
+                        all.retain(|c: &TcpStream| c.peer_addr().is_ok());
+                        all.push(c);
+                    }
                     std::thread::spawn(move || {
                         let _ = forward(client, v4, v5);
                     });
                 }
             })?;
-        Ok(Embedded { port })
+        Ok(Embedded { port, clients })
+    }
+
+    /// Closes every client connection, as a network failure would; the broker keeps the sessions, and the
+    /// clients' unacknowledged deliveries, for their reconnect.
+    pub fn drop_connections(&self) {
+        for c in self.clients.lock().unwrap().drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
     }
 }
 

@@ -137,6 +137,7 @@ pub struct Broker {
     pub dir: tempfile::TempDir,
     /// The implementation serving.
     pub kind: Kind,
+    embedded: Option<embedded::Embedded>,
     child: Option<Child>,
     max_inflight: u16,
     verbose: bool,
@@ -165,6 +166,7 @@ impl Broker {
         let e = embedded::Embedded::start().expect("start the embedded broker");
         Broker {
             port: e.port,
+            embedded: Some(e),
             dir: tempfile::tempdir().unwrap(),
             kind: Kind::Embedded,
             child: None,
@@ -186,6 +188,7 @@ impl Broker {
             port: free_port(),
             dir,
             kind: Kind::Mosquitto,
+            embedded: None,
             child: None,
             max_inflight,
             verbose: false,
@@ -205,6 +208,7 @@ impl Broker {
             extra: format!("acl_file {}\n", acl_path.display()),
             dir,
             kind: Kind::Mosquitto,
+            embedded: None,
             child: None,
             max_inflight: 20,
             verbose: false,
@@ -220,6 +224,7 @@ impl Broker {
             port: free_port(),
             dir,
             kind: Kind::Mosquitto,
+            embedded: None,
             child: None,
             max_inflight,
             verbose: true,
@@ -358,6 +363,7 @@ impl Broker {
             port: free_port(),
             dir,
             kind: Kind::Mosquitto,
+            embedded: None,
             child: None,
             max_inflight: 20,
             verbose: false,
@@ -377,6 +383,16 @@ impl Broker {
         );
         self.stop();
         self.spawn();
+    }
+
+    /// Ends every client connection under the clients' feet: mosquitto restarts (its persistence keeps the
+    /// sessions), the embedded broker closes them (its memory keeps the sessions). Either way the unacked
+    /// deliveries come again on the reconnect.
+    pub fn drop_connections(&mut self) {
+        match &self.embedded {
+            Some(e) => e.drop_connections(),
+            None => self.restart(),
+        }
     }
 
     pub fn stop(&mut self) {
