@@ -6,17 +6,13 @@ mod broker;
 mod common;
 mod outbox_support;
 
-#[cfg(feature = "mqtt")]
 #[path = "mosquitto_only/consumer.rs"]
 mod consumer;
-#[cfg(feature = "mqtt")]
 #[path = "mosquitto_only/relay.rs"]
 mod relay;
-#[cfg(feature = "mqtt")]
 #[path = "mosquitto_only/tls.rs"]
 mod tls;
 
-#[cfg(feature = "mqtt")]
 fn main() {
     broker::run_mosquitto_only(&[
         (
@@ -49,6 +45,3 @@ fn main() {
         ),
     ])
 }
-
-#[cfg(not(feature = "mqtt"))]
-fn main() {}
