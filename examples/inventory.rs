@@ -8,13 +8,14 @@
 //! ```text
 //! inventory run --broker HOST:PORT --db PATH [--client-id ID] [--topic FILTER] [--exit-when-idle SECS]
 //! inventory report --db PATH
-//! inventory                      # demo: own mosquitto, seed events, consume, report
+//! inventory                      # demo: own local broker, seed events, consume, report
 //! ```
 //!
 //! `report` prints `{"reserved":{"A-1":3,...},"processed":N,"duplicates":N,"conflicts":N,"quarantined":N}`
 //! from the durable counters. Without `--broker` the example starts mosquitto (from `PATH` or
-//! `/usr/sbin/mosquitto`) on a free loopback port and publishes the seed's events: a redelivery, a
-//! conflicting reuse of an id and a message without an id included.
+//! `/usr/sbin/mosquitto`) on a free loopback port, or, where mosquitto is not installed, a broker inside this
+//! process, and publishes the seed's events: a redelivery, a conflicting reuse of an id and a message without
+//! an id included.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -160,9 +161,13 @@ fn demo(db: Option<PathBuf>) -> anyhow::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
     let db = db.unwrap_or_else(|| dir.path().join("inventory.db"));
-    let broker = support::Mosquitto::start(dir.path())?;
-    let addr = format!("127.0.0.1:{}", broker.port);
-    eprintln!("mosquitto on {addr}, inbox {}", db.display());
+    let broker = support::LocalBroker::start(dir.path())?;
+    let addr = broker.addr();
+    eprintln!(
+        "{}",
+        broker.banner("inventory run --broker HOST:PORT --db PATH")
+    );
+    eprintln!("inbox {}", db.display());
     let run = RunArgs {
         broker: Some(addr.clone()),
         db: Some(db.clone()),

@@ -6,7 +6,7 @@
 //! each message sent only after the broker's PUBACK. A subscriber prints what it gets.
 //!
 //! ```text
-//! cargo run --example outbox      # starts its own mosquitto on a free loopback port
+//! cargo run --example outbox      # starts a local broker on a free loopback port
 //! ```
 //!
 //! The broker delivers order 42 twice: the reservation, and its announcement, happen once.
@@ -51,7 +51,8 @@ fn main() -> anyhow::Result<()> {
     // Started as root, mosquitto drops to its own user; it only needs to read its config here.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
-    let broker = support::Mosquitto::start(dir.path())?;
+    let broker = support::LocalBroker::start(dir.path())?;
+    eprintln!("broker: {}", broker.describe());
     let db = dir.path().join("gateway.db");
     // The producer namespace downstream consumers see; by default it would be the scope.
     let config = Config::default().outbox_producer("gateway-7");

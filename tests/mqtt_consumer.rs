@@ -1,4 +1,4 @@
-//! The MQTT consumer against a real mosquitto on 127.0.0.1.
+//! The MQTT consumer against a real broker on 127.0.0.1 (mosquitto or the embedded one: see `broker`).
 #![cfg(feature = "mqtt")]
 
 mod broker;
@@ -49,72 +49,6 @@ fn drain(broker: &Broker, db: &Path, client_id: &str, protocol: Protocol) -> Run
 
 fn order(order: u32, sku: &str, qty: i64, kind: &str) -> String {
     format!(r#"{{"order":{order},"sku":"{sku}","qty":{qty},"kind":"{kind}"}}"#)
-}
-
-#[test]
-fn mosquitto_pub_v5_duplicates_conflicts_and_missing_ids_are_counted_and_acked() {
-    let broker = Broker::start();
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("inbox.db");
-    prime(&broker, &db, "inv-pub", Protocol::V5);
-
-    broker.publish_v5(
-        "orders/42",
-        Some("evt-42-created"),
-        &order(42, "A-1", 2, "created"),
-    );
-    broker.publish_v5(
-        "orders/43",
-        Some("evt-43-created"),
-        &order(43, "A-1", 1, "created"),
-    );
-    broker.publish_v5(
-        "orders/42",
-        Some("evt-42-created"),
-        &order(42, "A-1", 2, "created"),
-    ); // redelivery
-    broker.publish_v5(
-        "orders/42",
-        Some("evt-42-created"),
-        &order(42, "A-1", 9, "created"),
-    ); // conflict
-    broker.publish_v5("orders/44", None, &order(44, "A-1", 5, "created")); // no id
-    broker.publish_v5(
-        "orders/43",
-        Some("evt-43-cancelled"),
-        &order(43, "A-1", 1, "cancelled"),
-    );
-
-    let s = drain(&broker, &db, "inv-pub", Protocol::V5);
-    assert_eq!(
-        (s.processed, s.duplicates, s.conflicts, s.quarantined),
-        (3, 1, 1, 1),
-        "{s:?}"
-    );
-    assert_eq!(
-        s.acked, 6,
-        "every delivery acked once its fate was committed: {s:?}"
-    );
-    assert_eq!(reserved(&db, SCOPE, "A-1"), 2);
-
-    let inbox = Inbox::open(&db, Config::default()).unwrap();
-    let st = inbox.scope_stats(SCOPE).unwrap();
-    assert_eq!(
-        (st.processed, st.duplicates, st.conflicts, st.quarantined),
-        (3, 1, 1, 1)
-    );
-    let (topic, reason): (String, String) = inbox
-        .connection()
-        .query_row("SELECT topic, reason FROM quarantine", [], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })
-        .unwrap();
-    assert_eq!(topic, "orders/44");
-    assert!(reason.contains("no application message id"), "{reason}");
-
-    // The acks reached the broker: the persistent session has nothing left to redeliver.
-    let again = drain(&broker, &db, "inv-pub", Protocol::V5);
-    assert_eq!(again.received, 0, "{again:?}");
 }
 
 #[test]
@@ -282,195 +216,6 @@ fn bad_json_is_dead_lettered_after_retries_and_oversized_payloads_are_quarantine
 }
 
 #[test]
-fn broker_restart_mid_stream_loses_and_doubles_nothing() {
-    let mut broker = Broker::start();
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("inbox.db");
-    prime(&broker, &db, "inv-restart", Protocol::V5);
-    let n = common::scaled(400) as u32;
-    let msgs = |range: std::ops::Range<u32>| -> Vec<Msg> {
-        range
-            .map(|i| {
-                Msg::new(
-                    &format!("orders/{i}"),
-                    Some(&format!("evt-{i}")),
-                    order(i, "E-5", 1, "created"),
-                )
-            })
-            .collect()
-    };
-    let c = consumer(&broker, &db, "inv-restart", Protocol::V5, Config::default());
-    let mut c = c.exit_when_idle(Duration::from_secs(4));
-    let stop = c.stop_handle();
-    let worker = std::thread::spawn(move || {
-        let s = c.run(inventory_handler).unwrap();
-        (s, c.into_inbox())
-    });
-    publish_v5(broker.port, &msgs(0..n / 2));
-    broker.restart();
-    publish_v5(broker.port, &msgs(n / 2..n));
-    // Replays of the first half after the restart.
-    publish_v5(broker.port, &msgs(0..n / 4));
-    let inbox_done = common::wait_for(Duration::from_secs(60), || {
-        let st = Inbox::open(&db, Config::default())
-            .ok()?
-            .scope_stats(SCOPE)
-            .ok()?;
-        (st.processed >= u64::from(n) && st.processed + st.duplicates >= u64::from(n + n / 4))
-            .then_some(())
-    });
-    stop.stop();
-    let (s, mut inbox) = worker.join().unwrap();
-    assert!(inbox_done.is_some(), "not everything arrived: {s:?}");
-    assert!(
-        s.connections >= 2,
-        "the consumer reconnected after the broker restart: {s:?}"
-    );
-    let st = inbox.scope_stats(SCOPE).unwrap();
-    assert_eq!(st.processed, u64::from(n), "{st:?}");
-    assert_eq!(reserved(&db, SCOPE, "E-5"), i64::from(n));
-    assert!(matches!(
-        inbox.status(SCOPE, None, "evt-0").unwrap(),
-        edge_inbox::Status::Recorded { .. }
-    ));
-}
-
-#[test]
-fn acks_leave_in_arrival_order_as_seen_by_the_broker() {
-    let broker = Broker::start_verbose(10);
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("inbox.db");
-    prime(&broker, &db, "inv-order", Protocol::V5);
-    // Good, quarantined, dead-lettered and duplicate deliveries interleaved, so completions within a batch
-    // happen at different steps (quarantine before the commit, dead letters after it).
-    let mut msgs = Vec::new();
-    for i in 0..60u32 {
-        let m = match i % 6 {
-            0 => Msg::new("orders/x", None, "no id"),
-            1 => Msg::new("orders/x", Some(&format!("bad-{i}")), "{oops"),
-            2 => Msg::new("orders/x", Some("same"), order(0, "F-6", 1, "created")),
-            _ => Msg::new(
-                "orders/x",
-                Some(&format!("evt-{i}")),
-                order(i, "F-6", 1, "created"),
-            ),
-        };
-        msgs.push(m);
-    }
-    publish_v5(broker.port, &msgs);
-    let mut c =
-        consumer(&broker, &db, "inv-order", Protocol::V5, Config::default()).handler_attempts(2);
-    c = c.batch(10, Duration::from_millis(50));
-    let s = c.run(inventory_handler).unwrap();
-    assert_eq!(s.acked, 60, "{s:?}");
-
-    let log = broker.log();
-    let (mut sent, mut acked) = (Vec::new(), Vec::new());
-    for line in log.lines() {
-        if let Some(rest) = line.split("Sending PUBLISH to inv-order (").nth(1) {
-            let mid = rest
-                .split(", ")
-                .find_map(|f| f.strip_prefix('m'))
-                .unwrap()
-                .to_string();
-            sent.push(mid);
-        } else if let Some(rest) = line.split("Received PUBACK from inv-order (Mid: ").nth(1) {
-            acked.push(rest.split([',', ')']).next().unwrap().to_string());
-        }
-    }
-    assert_eq!(sent.len(), 60, "{log}");
-    assert_eq!(acked, sent, "PUBACKs in the order the PUBLISHes were sent");
-}
-
-#[test]
-fn storage_errors_ack_nothing_and_the_batch_is_retried_until_it_commits() {
-    let broker = Broker::start_verbose(20);
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("inbox.db");
-    prime(&broker, &db, "inv-busy", Protocol::V5);
-    let n = 30u32;
-    let msgs: Vec<Msg> = (0..n)
-        .map(|i| {
-            Msg::new(
-                &format!("orders/{i}"),
-                Some(&format!("evt-{i}")),
-                order(i, "G-7", 1, "created"),
-            )
-        })
-        .collect();
-    publish_v5(broker.port, &msgs);
-    let busy = Config::default().busy_timeout(Duration::from_millis(50));
-
-    // Phase 1: another connection holds the write lock the whole time; the consumer is stopped meanwhile.
-    let c = consumer(&broker, &db, "inv-busy", Protocol::V5, busy.clone())
-        .exit_when_idle(Duration::from_secs(600));
-    let locker = edge_inbox::rusqlite::Connection::open(&db).unwrap();
-    locker.execute_batch("BEGIN IMMEDIATE").unwrap();
-    let stop = c.stop_handle();
-    let worker = std::thread::spawn(move || {
-        let mut c = c;
-        c.run(inventory_handler).unwrap()
-    });
-    // Once the broker has sent the deliveries, give the consumer time to meet the lock, then stop it.
-    // (Unacked, the broker sends only up to its inflight window.)
-    let count = || broker.log().matches("Sending PUBLISH to inv-busy").count();
-    let sent = |more_than: usize| {
-        common::wait_for(Duration::from_secs(60), || {
-            (count() > more_than).then_some(())
-        })
-    };
-    assert!(sent(0).is_some(), "the broker never sent the deliveries");
-    std::thread::sleep(Duration::from_millis(500));
-    stop.stop();
-    let s = worker.join().unwrap();
-    assert!(s.storage_errors > 0, "{s:?}");
-    assert_eq!(
-        (s.processed, s.acked),
-        (0, 0),
-        "nothing committed, nothing acked: {s:?}"
-    );
-    locker.execute_batch("ROLLBACK").unwrap();
-
-    // Phase 2: the lock is released while the consumer retries; the same deliveries commit once and are acked.
-    let c = consumer(&broker, &db, "inv-busy", Protocol::V5, busy)
-        .exit_when_idle(Duration::from_secs(600));
-    locker.execute_batch("BEGIN IMMEDIATE").unwrap();
-    let before = count();
-    let stop = c.stop_handle();
-    let worker = std::thread::spawn(move || {
-        let mut c = c;
-        c.run(inventory_handler).unwrap()
-    });
-    assert!(sent(before).is_some(), "the broker never redelivered");
-    std::thread::sleep(Duration::from_millis(500));
-    locker.execute_batch("ROLLBACK").unwrap();
-    let done = common::wait_for(Duration::from_secs(30), || {
-        let st = Inbox::open(&db, Config::default())
-            .ok()?
-            .scope_stats(SCOPE)
-            .ok()?;
-        (st.processed >= u64::from(n)).then_some(())
-    });
-    std::thread::sleep(Duration::from_millis(300));
-    stop.stop();
-    let s = worker.join().unwrap();
-    assert!(done.is_some(), "{s:?}");
-    assert_eq!(
-        s.received,
-        u64::from(n),
-        "everything unacked in phase 1 was redelivered: {s:?}"
-    );
-    assert!(s.storage_errors > 0, "{s:?}");
-    assert_eq!(
-        (s.processed, s.acked),
-        (u64::from(n), u64::from(n)),
-        "{s:?}"
-    );
-    assert_eq!(reserved(&db, SCOPE, "G-7"), i64::from(n));
-    assert_eq!(drain(&broker, &db, "inv-busy", Protocol::V5).received, 0);
-}
-
-#[test]
 fn a_batch_committed_after_its_connection_died_is_not_acked_and_its_redelivery_is_a_duplicate() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{mpsc, Arc};
@@ -490,7 +235,7 @@ fn a_batch_committed_after_its_connection_died_is_not_acked_and_its_redelivery_i
         .collect();
     publish_v5(broker.port, &msgs);
 
-    // The handler holds the first batch open until the broker has been restarted under it.
+    // The handler holds the first batch open until its connection has died under it.
     let (entered_tx, entered_rx) = mpsc::channel();
     let release = Arc::new(AtomicBool::new(false));
     let gate = release.clone();
@@ -512,7 +257,7 @@ fn a_batch_committed_after_its_connection_died_is_not_acked_and_its_redelivery_i
     entered_rx
         .recv_timeout(Duration::from_secs(60))
         .expect("the handler never ran");
-    broker.restart();
+    broker.drop_connections();
     release.store(true, Ordering::SeqCst);
     let s = worker.join().unwrap();
 

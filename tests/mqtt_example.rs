@@ -80,6 +80,29 @@ fn demo_runs_the_seed_scenario_on_its_own_broker() {
 }
 
 #[test]
+fn without_mosquitto_the_demo_runs_on_the_embedded_broker_says_so_first_and_reports_the_same() {
+    let child = example(&[])
+        .env("EDGE_INBOX_MOSQUITTO", "/nonexistent/mosquitto")
+        .env_remove("EDGE_INBOX_LOCAL_BROKER")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = Guard(Some(child)).wait(Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let first = stderr.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("broker: rumqttd embedded") && first.contains("--broker HOST:PORT"),
+        "first line: {first}"
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        r#"{"reserved":{"A-1":3,"B-7":1},"processed":5,"duplicates":1,"conflicts":1,"quarantined":1}"#
+    );
+}
+
+#[test]
 fn run_stops_cleanly_on_sigterm_after_acking_and_report_reads_the_durable_counts() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();

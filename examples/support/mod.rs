@@ -1,5 +1,10 @@
-//! What the self-contained examples share: a local mosquitto and a QoS1 publisher.
+//! What the self-contained examples share: a local broker (mosquitto, else one embedded in the process) and a
+//! QoS1 publisher.
 #![allow(dead_code)]
+
+mod embedded;
+
+pub use embedded::Embedded;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -46,22 +51,103 @@ pub fn publish(
     Ok(())
 }
 
+/// Where mosquitto is: `EDGE_INBOX_MOSQUITTO` when set, else the first `mosquitto` on `PATH`, else
+/// `/usr/sbin/mosquitto`; `None` when that file does not exist.
+pub fn mosquitto_exe() -> Option<PathBuf> {
+    if let Some(exe) = std::env::var_os("EDGE_INBOX_MOSQUITTO") {
+        let exe = PathBuf::from(exe);
+        return exe.is_file().then_some(exe);
+    }
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join("mosquitto"))
+        .chain([PathBuf::from("/usr/sbin/mosquitto")])
+        .find(|p| p.is_file())
+}
+
+/// The broker a self-contained example runs on.
+pub struct LocalBroker {
+    /// The loopback port it listens on (MQTT 3.1.1 and 5).
+    pub port: u16,
+    kind: Kind,
+}
+
+enum Kind {
+    Mosquitto(Mosquitto),
+    /// Why: mosquitto is not installed, or the environment chose it.
+    Embedded(&'static str),
+}
+
+impl LocalBroker {
+    /// mosquitto when it is installed, else the embedded broker; `EDGE_INBOX_LOCAL_BROKER=mosquitto|embedded`
+    /// chooses (`auto`, the default, decides by whether mosquitto is installed).
+    pub fn start(dir: &Path) -> anyhow::Result<LocalBroker> {
+        let choice = std::env::var("EDGE_INBOX_LOCAL_BROKER").unwrap_or_default();
+        let mosquitto = match choice.as_str() {
+            "mosquitto" => true,
+            "embedded" => false,
+            "" | "auto" => mosquitto_exe().is_some(),
+            other => {
+                bail!("EDGE_INBOX_LOCAL_BROKER={other:?}: expected auto, mosquitto or embedded")
+            }
+        };
+        Ok(if mosquitto {
+            let m = Mosquitto::start(dir)?;
+            LocalBroker {
+                port: m.port,
+                kind: Kind::Mosquitto(m),
+            }
+        } else {
+            let why = if choice == "embedded" {
+                "EDGE_INBOX_LOCAL_BROKER=embedded"
+            } else {
+                "mosquitto is not installed"
+            };
+            LocalBroker {
+                port: Embedded::start()?.port,
+                kind: Kind::Embedded(why),
+            }
+        })
+    }
+
+    /// `HOST:PORT` of the broker.
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Which broker serves, on which address.
+    pub fn describe(&self) -> String {
+        match &self.kind {
+            Kind::Mosquitto(m) => format!("mosquitto ({}) on {}", m.exe.display(), self.addr()),
+            Kind::Embedded(why) => format!(
+                "rumqttd embedded in this process on {} ({why})",
+                self.addr()
+            ),
+        }
+    }
+
+    /// One line: which broker serves, and `switch`, how to use a real one instead.
+    pub fn banner(&self, switch: &str) -> String {
+        format!("broker: {}; for a real broker: {switch}", self.describe())
+    }
+}
+
 /// A mosquitto on a free loopback port, killed on drop.
 pub struct Mosquitto {
     child: Child,
     /// The loopback port it listens on.
     pub port: u16,
+    /// The executable that runs.
+    pub exe: PathBuf,
 }
 
 impl Mosquitto {
-    /// Starts mosquitto (from `PATH`, else `/usr/sbin`) with its configuration in `dir`.
+    /// Starts mosquitto (see [`mosquitto_exe`]) with its configuration in `dir`.
     pub fn start(dir: &Path) -> anyhow::Result<Mosquitto> {
-        let exe = std::env::var_os("PATH")
-            .into_iter()
-            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-            .map(|d| d.join("mosquitto"))
-            .find(|p| p.is_file())
-            .unwrap_or_else(|| PathBuf::from("/usr/sbin/mosquitto"));
+        let exe = mosquitto_exe().context(
+            "mosquitto is not installed (apt-get install mosquitto), or EDGE_INBOX_MOSQUITTO does not name it",
+        )?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
@@ -77,7 +163,7 @@ impl Mosquitto {
             .stderr(Stdio::null())
             .spawn()
             .with_context(|| format!("cannot start {}", exe.display()))?;
-        let broker = Mosquitto { child, port };
+        let broker = Mosquitto { child, port, exe };
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             if Instant::now() > deadline {

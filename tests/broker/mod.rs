@@ -1,19 +1,127 @@
-//! A real mosquitto on a free 127.0.0.1 port, with a generated config in a temp dir, killed on drop.
+//! A real broker on a free 127.0.0.1 port: mosquitto (generated config in a temp dir, killed on drop) or rumqttd
+//! inside the test process.
+//!
+//! `EDGE_INBOX_LOCAL_BROKER` chooses what [`Broker::start`] runs: `mosquitto`, `embedded`, or `auto` (the default:
+//! mosquitto when installed, else embedded). `EDGE_INBOX_MOSQUITTO` names the mosquitto executable (a path that
+//! does not exist stands for a machine without it). Tests that need mosquitto itself (a restart with
+//! persistence, its log, TLS, ACLs, `mosquitto_pub`) live in the `mosquitto_only` target, which reports them
+//! ignored when mosquitto is missing, unless `EDGE_INBOX_LOCAL_BROKER=mosquitto` demands it.
 #![allow(dead_code)]
+
+#[path = "../../examples/support/embedded.rs"]
+mod embedded;
 
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-pub fn mosquitto_path() -> PathBuf {
-    for dir in std::env::var("PATH").unwrap_or_default().split(':') {
-        let p = Path::new(dir).join("mosquitto");
-        if p.is_file() {
-            return p;
-        }
+/// Why mosquitto-only tests are ignored on a machine without it.
+pub const MOSQUITTO_MISSING: &str =
+    "mosquitto not installed: apt-get install mosquitto mosquitto-clients";
+
+/// The mosquitto executable: `EDGE_INBOX_MOSQUITTO` when set, else `mosquitto` on `PATH`, else
+/// `/usr/sbin/mosquitto`; `None` when that file does not exist.
+pub fn mosquitto_exe() -> Option<PathBuf> {
+    if let Some(exe) = std::env::var_os("EDGE_INBOX_MOSQUITTO") {
+        let exe = PathBuf::from(exe);
+        return exe.is_file().then_some(exe);
     }
-    PathBuf::from("/usr/sbin/mosquitto")
+    on_path("mosquitto").or_else(|| {
+        let p = PathBuf::from("/usr/sbin/mosquitto");
+        p.is_file().then_some(p)
+    })
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+pub fn mosquitto_path() -> PathBuf {
+    mosquitto_exe().expect(MOSQUITTO_MISSING)
+}
+
+/// A mosquitto client program (`mosquitto_pub`, `mosquitto_passwd`): beside the broker, on `PATH`, or in
+/// `/usr/bin`.
+pub fn mosquitto_tool(name: &str) -> Option<PathBuf> {
+    let exe = mosquitto_exe()?;
+    let beside = exe.with_file_name(name);
+    if beside.is_file() {
+        return Some(beside);
+    }
+    on_path(name).or_else(|| {
+        let p = Path::new("/usr/bin").join(name);
+        p.is_file().then_some(p)
+    })
+}
+
+/// What the mosquitto-only tests need and this machine lacks (`None`: everything is there).
+pub fn mosquitto_missing() -> Option<String> {
+    if mosquitto_exe().is_none() {
+        return Some(MOSQUITTO_MISSING.into());
+    }
+    let missing: Vec<&str> = ["mosquitto_pub", "mosquitto_passwd"]
+        .into_iter()
+        .filter(|t| mosquitto_tool(t).is_none())
+        .collect();
+    (!missing.is_empty()).then(|| {
+        format!(
+            "{} not installed: apt-get install mosquitto-clients",
+            missing.join(", ")
+        )
+    })
+}
+
+/// The broker implementation a test runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Mosquitto,
+    /// rumqttd in this process.
+    Embedded,
+}
+
+/// What `EDGE_INBOX_LOCAL_BROKER` selects (see the module docs).
+pub fn selected() -> Kind {
+    match std::env::var("EDGE_INBOX_LOCAL_BROKER")
+        .unwrap_or_default()
+        .as_str()
+    {
+        "mosquitto" => Kind::Mosquitto,
+        "embedded" => Kind::Embedded,
+        "" | "auto" if mosquitto_exe().is_some() => Kind::Mosquitto,
+        "" | "auto" => Kind::Embedded,
+        other => panic!("EDGE_INBOX_LOCAL_BROKER={other:?}: expected auto, mosquitto or embedded"),
+    }
+}
+
+/// Runs the mosquitto-only tests (a `harness = false` target): each runs when mosquitto is installed, and is
+/// reported ignored, with the reason, when it is not, unless `EDGE_INBOX_LOCAL_BROKER=mosquitto` (CI), where a
+/// missing mosquitto fails them.
+pub fn run_mosquitto_only(tests: &[(&'static str, fn())]) -> ! {
+    let args = libtest_mimic::Arguments::from_args();
+    let missing = mosquitto_missing();
+    let demanded = std::env::var("EDGE_INBOX_LOCAL_BROKER").as_deref() == Ok("mosquitto");
+    let trials = tests
+        .iter()
+        .map(|&(name, test)| {
+            let missing = missing.clone();
+            libtest_mimic::Trial::ignorable_test(name, move || match missing {
+                Some(why) if demanded => {
+                    Err(format!("EDGE_INBOX_LOCAL_BROKER=mosquitto, but {why}").into())
+                }
+                Some(why) => Ok(libtest_mimic::Completion::ignored_with(why)),
+                None => {
+                    test();
+                    Ok(libtest_mimic::Completion::Completed)
+                }
+            })
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit()
 }
 
 pub fn free_port() -> u16 {
@@ -27,6 +135,9 @@ pub fn free_port() -> u16 {
 pub struct Broker {
     pub port: u16,
     pub dir: tempfile::TempDir,
+    /// The implementation serving.
+    pub kind: Kind,
+    embedded: Option<embedded::Embedded>,
     child: Option<Child>,
     max_inflight: u16,
     verbose: bool,
@@ -37,16 +148,50 @@ pub struct Broker {
 }
 
 impl Broker {
-    /// A broker with persistence on (so a restart keeps sessions and queued deliveries).
+    /// The selected broker ([`selected`]); mosquitto runs with persistence on (so a restart keeps sessions and
+    /// queued deliveries).
     pub fn start() -> Broker {
         Broker::start_with(20)
     }
 
+    /// Like [`Broker::start`]; mosquitto sends at most `max_inflight` unacked QoS1 deliveries per client
+    /// (rumqttd's limit is fixed at 100).
     pub fn start_with(max_inflight: u16) -> Broker {
+        match selected() {
+            Kind::Mosquitto => Broker::mosquitto_with(max_inflight),
+            Kind::Embedded => Broker::embedded(),
+        }
+    }
+
+    /// rumqttd in this process, on a free loopback port; it runs until the test process exits.
+    pub fn embedded() -> Broker {
+        let e = embedded::Embedded::start().expect("start the embedded broker");
+        Broker {
+            port: e.port,
+            embedded: Some(e),
+            dir: tempfile::tempdir().unwrap(),
+            kind: Kind::Embedded,
+            child: None,
+            max_inflight: 100,
+            verbose: false,
+            extra: String::new(),
+            persistence: false,
+        }
+    }
+
+    /// mosquitto with persistence, whatever [`selected`] says.
+    pub fn mosquitto() -> Broker {
+        Broker::mosquitto_with(20)
+    }
+
+    /// mosquitto, whatever [`selected`] says.
+    pub fn mosquitto_with(max_inflight: u16) -> Broker {
         let dir = tempfile::tempdir().unwrap();
         let mut b = Broker {
             port: free_port(),
             dir,
+            kind: Kind::Mosquitto,
+            embedded: None,
             child: None,
             max_inflight,
             verbose: false,
@@ -66,6 +211,8 @@ impl Broker {
             port: free_port(),
             extra: format!("acl_file {}\n", acl_path.display()),
             dir,
+            kind: Kind::Mosquitto,
+            embedded: None,
             child: None,
             max_inflight: 20,
             verbose: false,
@@ -82,6 +229,8 @@ impl Broker {
             port: free_port(),
             extra: format!("{options}\n"),
             dir,
+            kind: Kind::Mosquitto,
+            embedded: None,
             child: None,
             max_inflight: 20,
             verbose: false,
@@ -97,6 +246,8 @@ impl Broker {
         let mut b = Broker {
             port: free_port(),
             dir,
+            kind: Kind::Mosquitto,
+            embedded: None,
             child: None,
             max_inflight,
             verbose: true,
@@ -113,6 +264,8 @@ impl Broker {
         let mut b = Broker {
             port: free_port(),
             dir,
+            kind: Kind::Mosquitto,
+            embedded: None,
             child: None,
             max_inflight,
             verbose: true,
@@ -137,6 +290,11 @@ impl Broker {
     }
 
     fn spawn(&mut self) {
+        assert_eq!(
+            self.kind,
+            Kind::Mosquitto,
+            "only mosquitto runs as a child process"
+        );
         // Started as root, mosquitto drops to its own user: it must be able to write its persistence file
         // and log here.
         use std::os::unix::fs::PermissionsExt;
@@ -245,7 +403,9 @@ impl Broker {
             "-extfile",
             "san.ext",
         ]);
-        run(&["mosquitto_passwd", "-b", "-c", "passwd", user, password]);
+        let passwd = mosquitto_tool("mosquitto_passwd").expect("mosquitto_passwd");
+        let passwd = passwd.to_str().unwrap();
+        run(&[passwd, "-b", "-c", "passwd", user, password]);
         use std::os::unix::fs::PermissionsExt;
         for f in ["ca.crt", "server.crt", "server.key", "passwd"] {
             std::fs::set_permissions(d.join(f), std::fs::Permissions::from_mode(0o644)).unwrap();
@@ -258,6 +418,8 @@ impl Broker {
         let mut b = Broker {
             port: free_port(),
             dir,
+            kind: Kind::Mosquitto,
+            embedded: None,
             child: None,
             max_inflight: 20,
             verbose: false,
@@ -271,11 +433,31 @@ impl Broker {
     /// Stops the broker gracefully (SIGTERM: it saves its persistence file) and starts it again on the same
     /// port with the same state.
     pub fn restart(&mut self) {
+        assert_eq!(
+            self.kind,
+            Kind::Mosquitto,
+            "a restart with persistence needs mosquitto"
+        );
         self.stop();
         self.spawn();
     }
 
+    /// Ends every client connection under the clients' feet: mosquitto restarts (its persistence keeps the
+    /// sessions), the embedded broker closes them (its memory keeps the sessions). Either way the unacked
+    /// deliveries come again on the reconnect.
+    pub fn drop_connections(&mut self) {
+        match &self.embedded {
+            Some(e) => e.drop_connections(),
+            None => self.restart(),
+        }
+    }
+
     pub fn stop(&mut self) {
+        assert_eq!(
+            self.kind,
+            Kind::Mosquitto,
+            "stopping a broker needs mosquitto"
+        );
         if let Some(mut c) = self.child.take() {
             let _ = Command::new("kill")
                 .arg("-TERM")
@@ -302,7 +484,7 @@ impl Broker {
 
     /// `mosquitto_pub` with the given extra arguments (host and port added), bounded in time.
     pub fn pub_cmd(&self, args: &[&str]) -> Output {
-        let mut child = Command::new("mosquitto_pub")
+        let mut child = Command::new(mosquitto_tool("mosquitto_pub").expect(MOSQUITTO_MISSING))
             .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-q", "1"])
             .args(args)
             .stdout(Stdio::piped())
@@ -326,8 +508,12 @@ impl Broker {
         out
     }
 
-    /// Publishes one QoS1 message with MQTT 5 user property `message-id` (when given).
+    /// Publishes one QoS1 message with MQTT 5 user property `message-id` (when given): with `mosquitto_pub`
+    /// to mosquitto, with rumqttc to the embedded broker.
     pub fn publish_v5(&self, topic: &str, id: Option<&str>, payload: &str) {
+        if self.kind == Kind::Embedded {
+            return publish_v5(self.port, &[Msg::new(topic, id, payload)]);
+        }
         let mut args = vec!["-V", "5", "-t", topic, "-m", payload];
         if let Some(id) = id {
             args.extend(["-D", "publish", "user-property", "message-id", id]);
@@ -337,7 +523,7 @@ impl Broker {
 
     /// Publishes many lines as separate QoS1 messages (`-l`), each with the same properties.
     pub fn publish_lines_v5(&self, topic: &str, id: &str, lines: &str) {
-        let mut child = Command::new("mosquitto_pub")
+        let mut child = Command::new(mosquitto_tool("mosquitto_pub").expect(MOSQUITTO_MISSING))
             .args([
                 "-h",
                 "127.0.0.1",
@@ -365,6 +551,7 @@ impl Broker {
         assert!(child.wait().unwrap().success());
     }
 
+    /// mosquitto's log (empty for the embedded broker, which keeps none).
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("mosquitto.log")).unwrap_or_default()
     }

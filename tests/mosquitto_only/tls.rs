@@ -1,18 +1,12 @@
-//! TLS (rustls, ring provider) and username/password against a real mosquitto TLS listener.
-#![cfg(feature = "mqtt")]
-
-mod broker;
-mod common;
-
+//! TLS (rustls, ring provider) and username/password against a mosquitto TLS listener.
 use std::time::Duration;
 
-use broker::{inventory_handler, reserved, Broker};
+use crate::broker::{inventory_handler, reserved, Broker};
 use edge_inbox::{Config, Consumer, Inbox, MqttConfig, Tls};
 
 const SCOPE: &str = "inventory-reservation";
 
-#[test]
-fn tls_with_password_consumes_and_a_wrong_password_never_connects() {
+pub fn tls_with_password_consumes_and_a_wrong_password_never_connects() {
     let _ = env_logger::builder().is_test(true).try_init();
     let (broker, ca_pem) = Broker::start_tls("gateway", "s3cret-pw");
     let dir = tempfile::tempdir().unwrap();
