@@ -18,19 +18,37 @@ use std::time::{Duration, Instant};
 
 use edge_inbox::{Config, Delivery, IdHash, Inbox, Pruning, RetentionPolicy, Synchronous, Tx};
 
+/// Retention benchmark: space per identity, watermark space, commit latency while a prune runs.
+#[derive(clap::Parser)]
+#[command(name = "retention_bench")]
+struct Args {
+    /// A tenth of the sizes.
+    #[arg(long)]
+    small: bool,
+    /// Where the files go (default: the current directory).
+    #[arg(long, value_name = "PATH")]
+    dir: Option<PathBuf>,
+    /// Run one part only.
+    #[arg(long, value_parser = ["identities", "watermarks", "latency"])]
+    only: Option<String>,
+    /// The pruner rests N times as long as each step took (default: `Pruning::default()`).
+    #[arg(long, value_name = "N")]
+    idle: Option<u32>,
+    /// Rows per prune step (default: `Pruning::default()`).
+    #[arg(long, value_name = "ROWS")]
+    batch: Option<usize>,
+}
+
 fn main() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let small = args.iter().any(|a| a == "--small");
+    let args = <Args as clap::Parser>::parse();
+    let small = args.small;
     let div = if small { 10 } else { 1 };
-    let base: PathBuf = match args.iter().position(|a| a == "--dir") {
-        Some(i) => PathBuf::from(&args[i + 1]),
+    let base: PathBuf = match &args.dir {
+        Some(d) => d.clone(),
         None => std::env::current_dir()?,
     };
     let dir = tempfile::tempdir_in(&base)?;
-    let only: Option<&str> = args
-        .iter()
-        .position(|a| a == "--only")
-        .map(|i| args[i + 1].as_str());
+    let only: Option<&str> = args.only.as_deref();
 
     let mut rows: Vec<(String, String, String)> = Vec::new();
     if only.is_none_or(|o| o == "identities") {
@@ -49,13 +67,12 @@ fn main() -> anyhow::Result<()> {
         )?;
     }
     if only.is_none_or(|o| o == "latency") {
-        // --idle N: the pruner rests N times as long as each step took (default: Pruning::default()).
         let mut pruning = Pruning::default();
-        if let Some(i) = args.iter().position(|a| a == "--idle") {
-            pruning = pruning.idle(args[i + 1].parse()?);
+        if let Some(idle) = args.idle {
+            pruning = pruning.idle(idle);
         }
-        if let Some(i) = args.iter().position(|a| a == "--batch") {
-            pruning = pruning.batch(args[i + 1].parse()?);
+        if let Some(batch) = args.batch {
+            pruning = pruning.batch(batch);
         }
         latency(
             &dir.path().join("latency.db"),

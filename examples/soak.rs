@@ -27,36 +27,26 @@ use rumqttc::v5::{Client, Event, MqttOptions};
 const SCOPE: &str = "soak";
 const WINDOW: u16 = 200;
 
+/// Soak run: many deliveries through mosquitto into one inbox while retention passes run on the same file.
+#[derive(clap::Parser)]
+#[command(name = "soak")]
 struct Args {
+    /// Deliveries to publish (a fifth of them repeats of earlier messages).
+    #[arg(long, default_value_t = 1_000_000)]
     count: u64,
+    /// Give up after this many minutes.
+    #[arg(long, default_value_t = 10)]
     minutes: u64,
     /// Publish at most this many deliveries per second (0: as fast as the broker takes them).
+    #[arg(long, default_value_t = 0, value_name = "PER_SECOND")]
     rate: u64,
     /// Internal: run as the publisher process against this port.
+    #[arg(long, hide = true)]
     publish: Option<u16>,
 }
 
 fn args() -> anyhow::Result<Args> {
-    let mut a = Args {
-        count: 1_000_000,
-        minutes: 10,
-        rate: 0,
-        publish: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let v = it.next().context("missing value")?;
-        match k.as_str() {
-            "--count" => a.count = v.parse()?,
-            "--minutes" => a.minutes = v.parse()?,
-            "--rate" => a.rate = v.parse()?,
-            "--publish" => a.publish = Some(v.parse()?),
-            other => {
-                bail!("unknown option {other} (use --count N, --minutes M, --rate PER_SECOND)")
-            }
-        }
-    }
-    Ok(a)
+    Ok(<Args as clap::Parser>::parse())
 }
 
 fn rss_kib(pid: Option<u32>) -> u64 {

@@ -1,5 +1,5 @@
 //! Workloads shared by the criterion benches (`benches/core.rs`) and the gateway benchmark binary
-//! (`examples/bench.rs`), so both measure exactly the same statements.
+//! (`examples/bench/`), so both measure exactly the same statements.
 //!
 //! Every store here is opened with the pragmas the inbox itself uses (WAL, the same `synchronous`,
 //! incremental auto-vacuum, foreign keys, a 64 MiB journal size limit, a 64-entry statement cache), so the

@@ -1,0 +1,168 @@
+//! Benchmark binary for the gateway's own storage: how close the inbox gets to the device's commit limit,
+//! what it costs against a hand-written consumer, and what it allocates per delivery.
+//!
+//! ```text
+//! cargo run --release --example bench -- --db-dir /path/on/the/sd-card [--n 500] [--rounds 3] [--mode all]
+//! ```
+//!
+//! Modes: `all` (default: table, allocations, race demo), `table`, `allocs`, `race`, `trace-allocs`
+//! (prints where each steady-state allocation of a batch comes from; build with
+//! `CARGO_PROFILE_RELEASE_DEBUG=line-tables-only` for file names), `e2e` (publish to PUBACK through a
+//! mosquitto it starts on a free 127.0.0.1 port: the MQTT `Consumer` with batches of 1 and 256 against a
+//! bare consumer that acks on receipt; `--n` messages per row). `--instructions KIND` does `--n`
+//! deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is `raw`,
+//! `process`, `process-noop`, `raw256` or `batch256`.
+//!
+//! Every row runs on a fresh database file in `--db-dir` with `synchronous=FULL`; all rows run once per
+//! round, rounds are interleaved, and the table shows the median rate and the median of the per-round ratios,
+//! so a noisy neighbour shifts compared figures together.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::Duration;
+
+use anyhow::bail;
+use edge_inbox::{Delivery, Inbox, Outcome, Tx};
+
+#[path = "../../benches/common/mod.rs"]
+mod common;
+use common::*;
+
+mod allocations;
+#[cfg(feature = "mqtt")]
+mod e2e;
+mod instructions;
+mod race;
+mod table;
+
+use allocations::{allocations, trace_allocations};
+use instructions::instructions;
+use race::race;
+use table::table;
+
+// ---------------------------------------------------------------------------------------------------------
+// Counting allocator
+
+/// Counts every allocation and reallocation of Rust code. SQLite's own C allocations go to libc directly
+/// and are not seen here (run under `valgrind --tool=dhat` for those).
+struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+static TRACE: AtomicBool = AtomicBool::new(false);
+static TRACES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+thread_local! {
+    static IN_TRACE: Cell<bool> = const { Cell::new(false) };
+}
+
+fn record(size: usize) {
+    ALLOCS.fetch_add(1, Ordering::Relaxed);
+    if TRACE.load(Ordering::Relaxed) && !IN_TRACE.with(Cell::get) {
+        IN_TRACE.with(|t| t.set(true));
+        let bt = std::backtrace::Backtrace::force_capture();
+        let text = format!("{size} bytes\n{bt}");
+        TRACES.lock().unwrap().push(text);
+        IN_TRACE.with(|t| t.set(false));
+    }
+}
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        record(layout.size());
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        record(layout.size());
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        record(new_size);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocs() -> u64 {
+    ALLOCS.load(Ordering::Relaxed)
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Arguments
+
+/// Benchmarks of the inbox on the storage it will run on.
+#[derive(clap::Parser)]
+#[command(name = "bench")]
+struct Args {
+    /// A directory on the storage to measure (each row gets a fresh file in a temporary directory there).
+    #[arg(long, value_name = "PATH")]
+    db_dir: PathBuf,
+    /// Messages per row.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..))]
+    n: u64,
+    /// Rounds, interleaved.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    rounds: u64,
+    /// What to run.
+    #[arg(long, value_enum, default_value_t = Mode::All)]
+    mode: Mode,
+    /// Do `--n` deliveries of one kind with `synchronous=OFF`, for callgrind (overrides `--mode`).
+    #[arg(long, value_name = "KIND", value_parser = ["raw", "process", "process-noop", "raw256", "batch256"])]
+    instructions: Option<String>,
+}
+
+/// The modes of `--mode`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+enum Mode {
+    /// Table, allocations and race demo.
+    All,
+    /// Throughput table.
+    Table,
+    /// Allocations per delivery.
+    Allocs,
+    /// Two workers racing on the same deliveries.
+    Race,
+    /// Where each steady-state allocation of a batch comes from.
+    TraceAllocs,
+    /// Publish to PUBACK through mosquitto.
+    E2e,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = <Args as clap::Parser>::parse();
+    let (n, rounds) = (args.n as usize, args.rounds as usize);
+    std::fs::create_dir_all(&args.db_dir)?;
+    let dir = tempfile::Builder::new()
+        .prefix("edge-inbox-bench-")
+        .tempdir_in(&args.db_dir)?;
+    if let Some(kind) = &args.instructions {
+        return instructions(dir.path(), kind, n);
+    }
+    let mode = args.mode;
+    if matches!(mode, Mode::All | Mode::Table) {
+        table(dir.path(), n, rounds)?;
+    }
+    if matches!(mode, Mode::All | Mode::Allocs) {
+        allocations(dir.path())?;
+    }
+    if mode == Mode::TraceAllocs {
+        trace_allocations(dir.path())?;
+    }
+    if matches!(mode, Mode::All | Mode::Race) {
+        race(dir.path(), 200)?;
+    }
+    if mode == Mode::E2e {
+        #[cfg(feature = "mqtt")]
+        e2e::run(dir.path(), n, rounds, &[1, 256])?;
+        #[cfg(not(feature = "mqtt"))]
+        println!("--mode e2e needs the `mqtt` feature");
+    }
+    Ok(())
+}

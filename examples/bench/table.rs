@@ -1,0 +1,337 @@
+//! Throughput table: every row on a fresh file, rows taking turns slice by slice.
+
+use super::*;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Row {
+    Fsync,
+    Raw1,
+    Raw16,
+    Raw256,
+    Process,
+    ProcessNoop,
+    Batch16,
+    Batch256,
+    Batch256VsClassic,
+    Naive,
+    Classic,
+    Duplicate,
+    Conflict,
+}
+
+impl Row {
+    const ALL: [Row; 13] = [
+        Row::Fsync,
+        Row::Raw1,
+        Row::Raw16,
+        Row::Raw256,
+        Row::Process,
+        Row::ProcessNoop,
+        Row::Batch16,
+        Row::Batch256,
+        Row::Batch256VsClassic,
+        Row::Naive,
+        Row::Classic,
+        Row::Duplicate,
+        Row::Conflict,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Row::Fsync => "fsync limit (4 KiB write + fdatasync)",
+            Row::Raw1 => "raw SQLite, 1 insert/tx",
+            Row::Raw16 => "raw SQLite, 16 inserts/tx",
+            Row::Raw256 => "raw SQLite, 256 inserts/tx",
+            Row::Process => "edge-inbox `process` (1/tx)",
+            Row::ProcessNoop => "edge-inbox `process` (1/tx), no-op handler",
+            Row::Batch16 => "edge-inbox `process_batch_into` 16",
+            Row::Batch256 => "edge-inbox `process_batch_into` 256",
+            Row::Batch256VsClassic => "edge-inbox `process_batch_into` 256 (vs classic)",
+            Row::Naive => "naive query-then-insert (2 tx)",
+            Row::Classic => "classic 1 tx/msg, unique constraint",
+            Row::Duplicate => "duplicate path (`process`, redelivery)",
+            Row::Conflict => "conflict path (`process`, same id, other payload)",
+        }
+    }
+
+    /// The row this one is divided by, and the target ratio if there is one.
+    fn reference(self) -> (Option<Row>, Option<f64>) {
+        match self {
+            Row::Fsync => (None, None),
+            Row::Raw1 => (Some(Row::Fsync), None),
+            Row::Raw16 | Row::Raw256 => (Some(Row::Raw1), None),
+            Row::Process => (Some(Row::Raw1), Some(0.9)),
+            Row::ProcessNoop => (Some(Row::Raw1), None),
+            Row::Batch16 => (Some(Row::Raw16), None),
+            Row::Batch256 => (Some(Row::Raw256), Some(0.5)),
+            Row::Batch256VsClassic => (Some(Row::Classic), Some(20.0)),
+            Row::Naive | Row::Classic | Row::Duplicate | Row::Conflict => {
+                (Some(Row::Process), None)
+            }
+        }
+    }
+
+    /// Deliveries per transaction.
+    fn batch(self) -> usize {
+        match self {
+            Row::Raw16 | Row::Batch16 => 16,
+            Row::Raw256 | Row::Batch256 => 256,
+            _ => 1,
+        }
+    }
+
+    /// Messages per slice, for `slices` slices: batched rows get more so they still commit many times.
+    fn slice_len(self, n: usize, slices: usize) -> usize {
+        let total = match self.batch() {
+            1 => n,
+            16 => n * 4,
+            _ => (n * 16).max(256 * slices),
+        };
+        (total / slices / self.batch()).max(1) * self.batch()
+    }
+}
+
+/// Messages of warm-up per row, before the clock runs.
+const WARM_UP: usize = 1100;
+
+/// How many slices each row's messages are cut into; the rows take turns slice by slice.
+const SLICES: usize = 20;
+
+/// Slices of the end-to-end rows (each slice is a publish run and a consumer connection of its own).
+pub(crate) const SLICES_E2E: usize = 4;
+
+/// One contender of the table with its own fresh file.
+struct Contender {
+    row: Row,
+    store: Store,
+    ids: Vec<String>,
+    slice_len: usize,
+    next: usize,
+    warm: usize,
+    elapsed: Duration,
+}
+
+/// The handler of an inbox row, chosen at run time.
+type BoxedHandler = Box<dyn FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()>>;
+
+enum Store {
+    Fsync(Box<FsyncFile>),
+    Raw(Raw),
+    Inbox {
+        inbox: Box<Inbox>,
+        handler: BoxedHandler,
+        outcomes: Vec<Outcome>,
+    },
+    Peer(Peer),
+}
+
+impl Contender {
+    fn new(dir: &Path, row: Row, n: usize, round: usize) -> anyhow::Result<Contender> {
+        let path = dir.join(format!("{row:?}-{round}.db"));
+        let slice_len = row.slice_len(n, SLICES);
+        // Warm-up: enough one-page commits for the WAL to wrap once (the default checkpoint runs at 1000
+        // pages), so every row is timed on a WAL of its steady size, as on a long-running gateway. The first
+        // pass of a fresh WAL appends and makes every fdatasync also commit file-size metadata.
+        let warm = WARM_UP.div_ceil(row.batch()).max(4) * row.batch();
+        let ids = ids(&format!("r{round}"), warm + slice_len * SLICES);
+        let store = match row {
+            Row::Fsync => Store::Fsync(Box::new(FsyncFile::create(&path)?)),
+            Row::Raw1 | Row::Raw16 | Row::Raw256 => Store::Raw(Raw::open(&path, Sync::Full)?),
+            Row::Naive | Row::Classic => Store::Peer(Peer::open(&path, Sync::Full)?),
+            Row::Batch256VsClassic => unreachable!("derived from Batch256"),
+            _ => {
+                let mut inbox = open_inbox(&path, Sync::Full)?;
+                let mut handler: BoxedHandler = if row == Row::ProcessNoop {
+                    Box::new(noop_handler)
+                } else {
+                    Box::new(kv_handler())
+                };
+                let mut outcomes = Vec::with_capacity(256);
+                if matches!(row, Row::Duplicate | Row::Conflict) {
+                    // Committed before the clock runs: these rows measure the redelivery only.
+                    let ds = deliveries(&ids, PAYLOAD);
+                    process_batches(&mut inbox, &ds, 256, &mut handler, &mut outcomes)?;
+                }
+                Store::Inbox {
+                    inbox: Box::new(inbox),
+                    handler,
+                    outcomes,
+                }
+            }
+        };
+        let mut c = Contender {
+            row,
+            store,
+            ids,
+            slice_len,
+            next: 0,
+            warm,
+            elapsed: Duration::ZERO,
+        };
+        c.run(warm)?;
+        c.elapsed = Duration::ZERO;
+        Ok(c)
+    }
+
+    /// Runs the next `len` messages and adds their wall time.
+    fn run(&mut self, len: usize) -> anyhow::Result<()> {
+        let ids = &self.ids[self.next..self.next + len];
+        self.next += len;
+        let row = self.row;
+        let batch = row.batch();
+        let payload = if row == Row::Conflict {
+            OTHER_PAYLOAD
+        } else {
+            PAYLOAD
+        };
+        let ds = deliveries(ids, payload);
+        let now = now();
+        let (result, t) = match &mut self.store {
+            Store::Fsync(f) => timed(|| {
+                ids.iter().try_for_each(|_| f.write_sync())?;
+                Ok::<_, anyhow::Error>(ids.len())
+            }),
+            Store::Raw(raw) => timed(|| {
+                ids.chunks(batch).try_for_each(|c| raw.insert_tx(c, now))?;
+                Ok(ids.len())
+            }),
+            Store::Peer(peer) => timed(|| {
+                ids.iter().try_fold(0, |acc, id| {
+                    let applied = if row == Row::Naive {
+                        peer.query_then_insert(id)?
+                    } else {
+                        peer.classic(id)?
+                    };
+                    Ok(acc + usize::from(applied))
+                })
+            }),
+            Store::Inbox {
+                inbox,
+                handler,
+                outcomes,
+            } => {
+                let expect = match row {
+                    Row::Duplicate => "duplicate",
+                    Row::Conflict => "conflict",
+                    _ => "processed",
+                };
+                timed(|| {
+                    if batch == 1 {
+                        process_each(inbox, &ds, handler, expect)
+                    } else {
+                        process_batches(inbox, &ds, batch, handler, outcomes)
+                    }
+                })
+            }
+        };
+        anyhow::ensure!(result? == ids.len(), "{row:?}: unexpected outcomes");
+        self.elapsed += t;
+        Ok(())
+    }
+
+    fn rate(&self) -> f64 {
+        (self.next - self.warm) as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// One round: every row on a fresh file, taking turns slice by slice so that a busy neighbour slows all of
+/// them alike. Returns messages per second indexed like [`Row::ALL`].
+fn round(dir: &Path, n: usize, round: usize) -> anyhow::Result<Vec<f64>> {
+    let mut contenders = Row::ALL
+        .into_iter()
+        .filter(|r| *r != Row::Batch256VsClassic)
+        .map(|row| Contender::new(dir, row, n, round))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for _ in 0..SLICES {
+        for c in &mut contenders {
+            c.run(c.slice_len)?;
+        }
+    }
+    let mut rates = vec![0.0; Row::ALL.len()];
+    for c in &contenders {
+        rates[idx(c.row)] = c.rate();
+        eprintln!(
+            "round {}: {:<56} {:>10.0} msg/s",
+            round + 1,
+            c.row.label(),
+            c.rate()
+        );
+    }
+    rates[idx(Row::Batch256VsClassic)] = rates[idx(Row::Batch256)];
+    drop(contenders);
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_file() {
+            std::fs::remove_file(path)?;
+        }
+    }
+    Ok(rates)
+}
+
+fn idx(row: Row) -> usize {
+    Row::ALL.iter().position(|r| *r == row).expect("listed")
+}
+
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+pub(crate) fn table(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
+    let rates = (0..rounds)
+        .map(|r| round(dir, n, r))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    println!(
+        "\n| workload (synchronous=FULL, n={n}, rows interleaved in {SLICES} slices, median of {rounds} rounds) | msgs/s | ratio | target | met? |"
+    );
+    println!("|---|---:|---|---|---|");
+    for row in Row::ALL {
+        let rate = median(rates.iter().map(|r| r[idx(row)]).collect());
+        let (reference, target) = row.reference();
+        let (ratio, ratio_text) = match reference {
+            Some(base) => {
+                let ratio = median(rates.iter().map(|r| r[idx(row)] / r[idx(base)]).collect());
+                (Some(ratio), format!("{ratio:.2}x {}", short(base)))
+            }
+            None => (None, "reference".to_string()),
+        };
+        let (target_text, met) = match (target, ratio) {
+            (Some(t), Some(r)) => (format!(">= {t}x"), if r >= t { "yes" } else { "**no**" }),
+            _ => ("-".to_string(), "-"),
+        };
+        println!(
+            "| {} | {:.0} | {} | {} | {} |",
+            row.label(),
+            rate,
+            ratio_text,
+            target_text,
+            met
+        );
+    }
+    println!("\nPer-round rates (msgs/s):\n");
+    for row in Row::ALL {
+        let per: Vec<String> = rates
+            .iter()
+            .map(|r| format!("{:.0}", r[idx(row)]))
+            .collect();
+        println!("- {}: {}", row.label(), per.join(", "));
+    }
+    Ok(())
+}
+
+fn short(row: Row) -> &'static str {
+    match row {
+        Row::Fsync => "fsync limit",
+        Row::Raw1 => "raw 1/tx",
+        Row::Raw16 => "raw 16/tx",
+        Row::Raw256 => "raw 256/tx",
+        Row::Process => "process",
+        Row::Classic => "classic",
+        _ => "?",
+    }
+}
