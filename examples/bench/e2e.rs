@@ -20,7 +20,7 @@ use super::PAYLOAD;
 /// mosquitto's `max_inflight_messages` and the publisher's own limit).
 pub const INFLIGHT: u16 = 1024;
 /// Longest any one slice may take before the run is abandoned.
-const SLICE_DEADLINE: Duration = Duration::from_secs(300);
+pub(crate) const SLICE_DEADLINE: Duration = Duration::from_secs(300);
 
 /// What consumes a row's deliveries.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -49,12 +49,12 @@ impl E2eRow {
 }
 
 /// A mosquitto on a free loopback port, killed on drop.
-struct Mosquitto {
-    child: Child,
-    port: u16,
+pub(crate) struct Mosquitto {
+    pub(crate) child: Child,
+    pub(crate) port: u16,
 }
 
-fn mosquitto_exe() -> Option<PathBuf> {
+pub(crate) fn mosquitto_exe() -> Option<PathBuf> {
     std::env::var_os("PATH")
         .into_iter()
         .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
@@ -64,7 +64,7 @@ fn mosquitto_exe() -> Option<PathBuf> {
 }
 
 impl Mosquitto {
-    fn start(exe: &Path, dir: &Path) -> anyhow::Result<Mosquitto> {
+    pub(crate) fn start(exe: &Path, dir: &Path) -> anyhow::Result<Mosquitto> {
         // Started as root, mosquitto drops to its own user; it only needs to read its config here.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
@@ -153,7 +153,7 @@ fn publish(port: u16, client_id: &str, topic: &str, ids: Vec<String>) -> anyhow:
 /// The upper bound: a persistent-session consumer with manual acks that acks each publish as soon as
 /// it arrives, on the thread that polls the connection. Returns when `n` are acked and the disconnect
 /// (queued after the acks) has gone out, with that instant. `ready` is signalled once subscribed.
-fn bare_consume(
+pub(crate) fn bare_consume(
     port: u16,
     client_id: &str,
     topic: &str,

@@ -9,7 +9,9 @@
 //! (prints where each steady-state allocation of a batch comes from; build with
 //! `CARGO_PROFILE_RELEASE_DEBUG=line-tables-only` for file names), `e2e` (publish to PUBACK through a
 //! mosquitto it starts on a free 127.0.0.1 port: the MQTT `Consumer` with batches of 1 and 256 against a
-//! bare consumer that acks on receipt; `--n` messages per row). `--instructions KIND` does `--n`
+//! bare consumer that acks on receipt; `--n` messages per row), `latency` (publish-to-PUBACK latency of the
+//! default `Consumer` and the bare consumer at 10%, 50% and 90% of the saturation rate, beside the disk's
+//! fsync time; `--n` messages per run). `--instructions KIND` does `--n`
 //! deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is `raw`,
 //! `process`, `process-noop`, `raw256` or `batch256`.
 //!
@@ -35,6 +37,8 @@ mod allocations;
 #[cfg(feature = "mqtt")]
 mod e2e;
 mod instructions;
+#[cfg(feature = "mqtt")]
+mod latency;
 mod race;
 mod table;
 
@@ -133,6 +137,8 @@ enum Mode {
     TraceAllocs,
     /// Publish to PUBACK through mosquitto.
     E2e,
+    /// Publish-to-PUBACK latency at 10%, 50% and 90% of the saturation rate, beside the disk's fsync time.
+    Latency,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -163,6 +169,12 @@ fn main() -> anyhow::Result<()> {
         e2e::run(dir.path(), n, rounds, &[1, 256])?;
         #[cfg(not(feature = "mqtt"))]
         println!("--mode e2e needs the `mqtt` feature");
+    }
+    if mode == Mode::Latency {
+        #[cfg(feature = "mqtt")]
+        latency::run(dir.path(), n, rounds)?;
+        #[cfg(not(feature = "mqtt"))]
+        println!("--mode latency needs the `mqtt` feature");
     }
     Ok(())
 }

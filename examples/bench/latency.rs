@@ -1,0 +1,420 @@
+//! Publish-to-PUBACK latency at a steady offered load through mosquitto: the edge-inbox [`Consumer`] with its
+//! default settings against the bare consumer that acks on receipt, at 10%, 50% and 90% of the saturation
+//! rate measured in the same round, beside the disk's own fsync time.
+//!
+//! Latency of one message: from the moment the publisher hands it to its client (stamped into the payload)
+//! to the moment the consumer's PUBACK for it reaches the broker's side of the consumer's connection. A
+//! relay on 127.0.0.1 in front of the broker forwards both directions unchanged and reads the MQTT framing:
+//! broker to consumer it maps each QoS1 PUBLISH's packet id to the stamp in its payload, consumer to broker it
+//! matches each PUBACK to that stamp. Both consumers are measured by the same relay.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use edge_inbox::{Config, Consumer, Delivery, Inbox, MqttConfig, Tx};
+use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::{Client, Event, MqttOptions};
+
+use super::e2e::{bare_consume, mosquitto_exe, Mosquitto, INFLIGHT, SLICE_DEADLINE};
+use super::table::median;
+
+/// Loads offered, as fractions of the saturation rate.
+const LOADS: [f64; 3] = [0.1, 0.5, 0.9];
+
+/// Nanoseconds since the first call: the one clock of publisher, relay and report.
+fn now_ns() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// What one run saw at the relay: (publish stamp, PUBACK seen), in nanoseconds of [`now_ns`].
+#[derive(Default)]
+struct Seen {
+    pending: HashMap<u16, u64>,
+    acks: Vec<(u64, u64)>,
+}
+
+/// A relay in front of the broker for one run's consumer connections.
+struct Relay {
+    port: u16,
+    seen: Arc<Mutex<Seen>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Relay {
+    fn start(broker: u16) -> anyhow::Result<Relay> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
+        let port = listener.local_addr()?.port();
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, st) = (seen.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !st.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((client, _)) => {
+                        let _ = client.set_nonblocking(false);
+                        if let Ok(server) = TcpStream::connect(("127.0.0.1", broker)) {
+                            let _ = client.set_nodelay(true);
+                            let _ = server.set_nodelay(true);
+                            pump(server.try_clone(), client.try_clone(), s.clone(), true);
+                            pump(Ok(client), Ok(server), s.clone(), false);
+                        }
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        Ok(Relay { port, seen, stop })
+    }
+
+    fn take(&self) -> Vec<(u64, u64)> {
+        std::mem::take(&mut self.seen.lock().unwrap().acks)
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Forwards `from` to `to` as it arrives and reads the packets on the way: PUBLISH when `down` (broker to
+/// consumer), PUBACK otherwise.
+fn pump(
+    from: std::io::Result<TcpStream>,
+    to: std::io::Result<TcpStream>,
+    seen: Arc<Mutex<Seen>>,
+    down: bool,
+) {
+    let (Ok(mut from), Ok(mut to)) = (from, to) else {
+        return;
+    };
+    std::thread::spawn(move || {
+        let mut chunk = vec![0u8; 64 * 1024];
+        let mut buf: Vec<u8> = Vec::new();
+        loop {
+            let k = match from.read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(k) => k,
+            };
+            // Read before forwarding: a PUBLISH's stamp must be recorded before its PUBACK can come back.
+            let at = now_ns();
+            buf.extend_from_slice(&chunk[..k]);
+            let mut used = 0;
+            while let Some((header, body, len)) = packet(&buf[used..]) {
+                let mut s = seen.lock().unwrap();
+                if down && header >> 4 == 3 && (header >> 1) & 3 == 1 {
+                    if let Some((pid, stamp)) = publish_stamp(body) {
+                        s.pending.insert(pid, stamp);
+                    }
+                } else if !down && header >> 4 == 4 && body.len() >= 2 {
+                    let pid = u16::from_be_bytes([body[0], body[1]]);
+                    if let Some(stamp) = s.pending.remove(&pid) {
+                        s.acks.push((stamp, at));
+                    }
+                }
+                used += len;
+            }
+            buf.drain(..used);
+            if to.write_all(&chunk[..k]).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(Shutdown::Both);
+    });
+}
+
+/// One whole MQTT packet at the start of `b`: fixed header byte, body, total length.
+fn packet(b: &[u8]) -> Option<(u8, &[u8], usize)> {
+    let (len, n) = varint(b.get(1..)?)?;
+    let total = 1 + n + len;
+    (b.len() >= total).then(|| (b[0], &b[1 + n..total], total))
+}
+
+/// An MQTT variable byte integer: its value and its length in bytes.
+fn varint(b: &[u8]) -> Option<(usize, usize)> {
+    let mut v = 0usize;
+    for (i, &x) in b.iter().take(4).enumerate() {
+        v |= usize::from(x & 0x7f) << (7 * i);
+        if x & 0x80 == 0 {
+            return Some((v, i + 1));
+        }
+    }
+    None
+}
+
+/// Packet id and payload stamp of an MQTT 5 QoS1 PUBLISH body.
+fn publish_stamp(body: &[u8]) -> Option<(u16, u64)> {
+    let tl = usize::from(u16::from_be_bytes([*body.first()?, *body.get(1)?]));
+    let mut pos = 2 + tl;
+    let pid = u16::from_be_bytes([*body.get(pos)?, *body.get(pos + 1)?]);
+    pos += 2;
+    let (plen, n) = varint(body.get(pos..)?)?;
+    pos += n + plen;
+    let stamp = body.get(pos..pos + 8)?;
+    Some((pid, u64::from_le_bytes(stamp.try_into().ok()?)))
+}
+
+/// Publishes `n` messages at `rate` per second (0: as fast as the broker takes them), each stamped.
+fn publish_paced(
+    port: u16,
+    client_id: &str,
+    topic: &str,
+    n: usize,
+    rate: f64,
+) -> anyhow::Result<()> {
+    let mut o = MqttOptions::new(client_id, "127.0.0.1", port);
+    o.set_outgoing_inflight_upper_limit(INFLIGHT);
+    let (client, mut conn) = Client::new(o, 1024);
+    let deadline = Instant::now() + SLICE_DEADLINE;
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let poller = std::thread::spawn(move || -> anyhow::Result<()> {
+        let mut acked = 0;
+        while acked < n {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "publisher: {acked} of {n} acked in time"
+            );
+            match conn.recv_timeout(Duration::from_millis(200)) {
+                Ok(Ok(Event::Incoming(Packet::ConnAck(_)))) => {
+                    let _ = ready_tx.send(());
+                }
+                Ok(Ok(Event::Incoming(Packet::PubAck(_)))) => acked += 1,
+                Ok(Err(e)) => bail!("publisher: {e}"),
+                _ => {}
+            }
+        }
+        Ok(())
+    });
+    ready_rx
+        .recv_timeout(Duration::from_secs(10))
+        .context("publisher did not connect")?;
+    let start = Instant::now();
+    for i in 0..n {
+        if rate > 0.0 {
+            let at = start + Duration::from_secs_f64(i as f64 / rate);
+            if let Some(wait) = at.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+        }
+        let mut payload = now_ns().to_le_bytes().to_vec();
+        payload.extend_from_slice(super::PAYLOAD);
+        let mut props = PublishProperties::default();
+        props
+            .user_properties
+            .push(("message-id".into(), format!("{client_id}-{i}")));
+        client.publish_with_properties(topic, QoS::AtLeastOnce, false, payload, props)?;
+    }
+    poller.join().expect("publisher poll thread")?;
+    let _ = client.try_disconnect();
+    Ok(())
+}
+
+/// Which consumer a run measures.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Inbox,
+    Bare,
+}
+
+/// One run: a fresh consumer (and for the inbox a fresh file) takes `n` messages offered at `rate`. Returns
+/// the latencies (all but the first tenth) and the achieved rate (first publish to last PUBACK, all of them).
+fn run_one(
+    dir: &Path,
+    broker: &Mosquitto,
+    kind: Kind,
+    tag: &str,
+    n: usize,
+    rate: f64,
+) -> anyhow::Result<(Vec<Duration>, f64)> {
+    let relay = Relay::start(broker.port)?;
+    let topic = format!("bench/latency/{tag}");
+    let client_id = format!("bench-latency-{tag}");
+    let (ready_tx, ready_rx) = mpsc::channel();
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        let consumer = match kind {
+            Kind::Bare => {
+                let (id, topic, port) = (client_id.clone(), topic.clone(), relay.port);
+                s.spawn(move || bare_consume(port, &id, &topic, n, ready_tx).map(|_| ()))
+            }
+            Kind::Inbox => {
+                let inbox = Inbox::open(dir.join(format!("latency-{tag}.db")), Config::default())?;
+                let mqtt = MqttConfig::new("127.0.0.1", relay.port, &client_id)
+                    .subscribe(&topic)
+                    .inflight(INFLIGHT);
+                s.spawn(move || {
+                    // Default batching; the idle exit only bounds a run that lost deliveries.
+                    let mut consumer = Consumer::new(inbox, super::SCOPE, mqtt)
+                        .exit_when_idle(Duration::from_secs(30));
+                    let stop = consumer.stop_handle();
+                    let mut seen = 0usize;
+                    let handler = |tx: &mut Tx<'_>, _d: &Delivery<'_>| -> anyhow::Result<()> {
+                        seen += 1;
+                        tx.put("counter", &(seen as u64))?;
+                        if seen == n {
+                            stop.stop();
+                        }
+                        Ok(())
+                    };
+                    let waker = std::thread::spawn(move || {
+                        std::thread::sleep(Duration::from_millis(300));
+                        let _ = ready_tx.send(());
+                    });
+                    let summary = consumer.run(handler);
+                    let _ = waker.join();
+                    let summary = summary?;
+                    anyhow::ensure!(
+                        summary.processed == n as u64 && summary.acked == n as u64,
+                        "consumer: {summary:?}, expected {n} processed and acked"
+                    );
+                    Ok(())
+                })
+            }
+        };
+        ready_rx
+            .recv_timeout(Duration::from_secs(10))
+            .context("consumer did not subscribe")?;
+        publish_paced(broker.port, &format!("{client_id}-pub"), &topic, n, rate)?;
+        consumer.join().expect("consumer thread")
+    })?;
+    // The last PUBACK was written before the consumer returned; give the relay a moment to read it.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while relay.seen.lock().unwrap().acks.len() < n && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let acks = relay.take();
+    anyhow::ensure!(
+        acks.len() == n,
+        "{kind:?} at {rate:.0}/s: the relay matched {} of {n} PUBACKs",
+        acks.len()
+    );
+    let first = acks.iter().map(|a| a.0).min().unwrap_or(0);
+    let last = acks.iter().map(|a| a.1).max().unwrap_or(0);
+    let achieved = n as f64 / ((last - first).max(1) as f64 / 1e9);
+    // The first tenth is warm-up (connection, first WAL frames) and stays out of the latencies.
+    let mut acks = acks;
+    acks.sort_unstable();
+    let lat = acks[n / 10..]
+        .iter()
+        .map(|&(p, a)| Duration::from_nanos(a.saturating_sub(p)))
+        .collect();
+    Ok((lat, achieved))
+}
+
+/// `samples` appends of 4 KiB, each followed by `fdatasync`, on a file in `dir`.
+fn fsyncs(dir: &Path, samples: usize) -> anyhow::Result<Vec<Duration>> {
+    let path = dir.join("fsync-probe");
+    let mut f = std::fs::File::create(&path)?;
+    let block = [0x5au8; 4096];
+    let mut out = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        let t = Instant::now();
+        f.write_all(&block)?;
+        f.sync_data()?;
+        out.push(t.elapsed());
+    }
+    drop(f);
+    std::fs::remove_file(&path)?;
+    Ok(out)
+}
+
+fn pct(v: &mut [Duration], p: f64) -> Duration {
+    v.sort_unstable();
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Runs every round: saturation of both consumers, then each load for both, then the fsync probe.
+pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
+    let Some(exe) = mosquitto_exe() else {
+        println!(
+            "\n--mode latency skipped: mosquitto not found on PATH nor at /usr/sbin/mosquitto"
+        );
+        return Ok(());
+    };
+    let broker_dir = tempfile::Builder::new()
+        .prefix("mosquitto-")
+        .tempdir_in(dir)?;
+    let broker = Mosquitto::start(&exe, broker_dir.path())?;
+    eprintln!("mosquitto ({}) on 127.0.0.1:{}", exe.display(), broker.port);
+    let kinds = [Kind::Inbox, Kind::Bare];
+    // [kind][level]: latencies pooled over rounds; level 0 is saturation.
+    let mut lat: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
+    let mut sat: Vec<Vec<f64>> = vec![Vec::new(); 2];
+    let mut offered: Vec<Vec<f64>> = vec![Vec::new(); LOADS.len()];
+    let mut disk = Vec::new();
+    for round in 0..rounds {
+        for (k, &kind) in kinds.iter().enumerate() {
+            let (l, rate) = run_one(dir, &broker, kind, &format!("{kind:?}-sat-{round}"), n, 0.0)?;
+            lat[k][0].extend(l);
+            sat[k].push(rate);
+        }
+        let base = *sat[0].last().unwrap();
+        for (j, load) in LOADS.iter().enumerate() {
+            let rate = base * load;
+            offered[j].push(rate);
+            for (k, &kind) in kinds.iter().enumerate() {
+                let tag = format!("{kind:?}-{}-{round}", (load * 100.0) as u32);
+                let (l, _) = run_one(dir, &broker, kind, &tag, n, rate)?;
+                lat[k][1 + j].extend(l);
+            }
+        }
+        disk.extend(fsyncs(dir, n.min(1000))?);
+    }
+    let (f50, f99) = (pct(&mut disk, 0.5), pct(&mut disk, 0.99));
+    println!("\n## Publish-to-PUBACK latency (n = {n} per run, {rounds} round(s), pooled)\n");
+    println!(
+        "Disk: fsync (4 KiB append + fdatasync) p50 {:.2} ms, p99 {:.2} ms ({} samples)\n",
+        ms(f50),
+        ms(f99),
+        disk.len()
+    );
+    println!("| load | offered msgs/s | consumer | p50 ms | p99 ms | max ms |");
+    println!("|---|---:|---|---:|---:|---:|");
+    let names = [
+        "edge-inbox `Consumer` (defaults)",
+        "bare, PUBACK on receipt",
+    ];
+    for level in 0..=LOADS.len() {
+        let (label, rate) = if level == 0 {
+            ("saturation".to_string(), String::from("unpaced"))
+        } else {
+            (
+                format!("{:.0}%", LOADS[level - 1] * 100.0),
+                format!("{:.0}", median(offered[level - 1].clone())),
+            )
+        };
+        for k in 0..2 {
+            let v = &mut lat[k][level];
+            let (p50, p99) = (pct(v, 0.5), pct(v, 0.99));
+            let max = *v.last().unwrap();
+            println!(
+                "| {label} | {rate} | {} | {:.2} | {:.2} | {:.2} |",
+                names[k],
+                ms(p50),
+                ms(p99),
+                ms(max)
+            );
+        }
+    }
+    let (si, sb) = (median(sat[0].clone()), median(sat[1].clone()));
+    println!("\nSaturation (first publish to last PUBACK, median of rounds): `Consumer` {si:.0} msgs/s, bare {sb:.0} msgs/s = {:.2}x (target >= 0.95x)", si / sb);
+    let (i99, b99) = (pct(&mut lat[0][1], 0.99), pct(&mut lat[1][1], 0.99));
+    println!(
+        "At 10% load: `Consumer` p99 {:.2} ms vs bare p99 + 2x fsync p99 = {:.2} ms (target: not above)",
+        ms(i99),
+        ms(b99 + f99 * 2)
+    );
+    Ok(())
+}
