@@ -272,8 +272,9 @@
 //! - **TLS** through rustls with the *ring* provider only (no cmake or bindgen in cross builds) and
 //!   username/password ([`MqttConfig::credentials`]); credentials never appear in logs or `Debug` output.
 //!
-//! `examples/inventory.rs` is the whole scenario: `cargo run --example inventory` starts its own mosquitto,
-//! publishes order events with a redelivery, a conflicting reuse of an id and a message without an id, and
+//! `examples/inventory.rs` is the whole scenario: `cargo run --example inventory` starts a local broker
+//! (mosquitto when it is installed, else one embedded in the example's process; `--broker HOST:PORT` in `run`
+//! mode for a real one), publishes order events with a redelivery, a conflicting reuse of an id and a message without an id, and
 //! prints what was reserved.
 //!
 //! ## Consumer outbox: publishing from a handler
@@ -376,7 +377,8 @@
 //! The external system's own deduplication (an idempotency key, a conditional write, a unique constraint)
 //! is what makes the effect happen once; without it the effect is at-least-once.
 //!
-//! `examples/outbox.rs` runs the whole scenario on its own mosquitto: a consumer whose handler publishes
+//! `examples/outbox.rs` runs the whole scenario on a local broker (as the inventory example
+//! chooses it): a consumer whose handler publishes
 //! `stock-reserved`, the relay, and a subscriber that prints what it gets (the redelivered order is announced
 //! once).
 //!
