@@ -53,6 +53,8 @@ pub(crate) struct Db {
     wal_id: Cell<Option<(u64, u64)>>,
     /// Commits at least this slow are logged.
     pub(crate) slow_commit: Option<std::time::Duration>,
+    /// The database's identity key (read when the inbox opens; it never changes).
+    pub(crate) id_key: crate::identity::IdKey,
 }
 
 // SAFETY: `Connection` is `Send`. The statements only borrow the connection owned by this same value, so
@@ -102,6 +104,7 @@ impl Db {
                 wal,
                 wal_id: Cell::new(None),
                 slow_commit: None,
+                id_key: crate::identity::IdKey::UNKEYED,
             }),
             Err(e) => {
                 // SAFETY: no statement borrows the connection any more (`prepare` failed and dropped them).

@@ -441,22 +441,27 @@ pub use crate::config::{Config, Limits, Synchronous};
 #[cfg(feature = "mqtt")]
 pub use crate::consumer::{Consumer, RunSummary, StopHandle};
 pub use crate::error::{Error, InvalidDelivery, Result};
-pub use crate::extract::{Envelope, ExtractIdentity, Identity, Incoming, UserProperty};
-pub use crate::identity::{Delivery, Fingerprint, IdHash};
+pub use crate::extract::{
+    parse_sent_at, Envelope, ExtractIdentity, Identity, Incoming, UserProperty, SENT_AT,
+};
+pub use crate::identity::{Delivery, Fingerprint, IdHash, IdKey, ID_KEY_LEN};
 pub use crate::inbox::{Handler, Inbox};
 pub use crate::inspect::{FileSizes, ScopeReport};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt_conn::{MqttConfig, Protocol, Tls};
 pub use crate::outbox::{outbox_message_id, OutboxBacklog, OutboxProperties, Qos};
-pub use crate::outcome::{MessageState, Outcome, Status};
+pub use crate::outcome::{MessageState, Outcome, SequenceConflictCause, Status};
 #[cfg(feature = "mqtt")]
 pub use crate::relay::{Relay, RelayConfig, RelayStats};
 pub use crate::requeue::DeadLetter;
-pub use crate::retention::{versioned_scope, ExpiredPolicy, PruneReport, Pruning, RetentionPolicy};
+pub use crate::retention::{
+    clock_floor, clock_verdict, versioned_scope, ClockVerdict, ExpiredPolicy, PruneReport, Pruning,
+    RetentionPolicy, EARLIEST_PLAUSIBLE_TIME,
+};
 pub use crate::schema::{open_read_only, SCHEMA_VERSION};
 pub use crate::state::Tx;
 pub use crate::stats::ScopeStats;
-pub use crate::watermark::Watermark;
+pub use crate::watermark::{Watermark, SEQUENCE_WINDOW};
 pub use crate::worker::{Claim, Completion, Drained, Worker, WorkerConfig};
 
 /// The rusqlite version this crate is built against, for handlers that use [`Tx::sql`].

@@ -11,7 +11,7 @@ use rusqlite::{Connection, OptionalExtension};
 
 use crate::db::Db;
 use crate::error::{Error, Result};
-use crate::identity::Delivery;
+use crate::identity::{Delivery, IdHash};
 use crate::inbox::{begin, commit, unix_now, Inbox};
 use crate::outcome::Outcome;
 
@@ -199,6 +199,8 @@ pub struct Pruning {
     idle: u32,
     as_of: Option<i64>,
     truncate_wal: bool,
+    max_clock_jump: Duration,
+    trust_clock: bool,
 }
 
 impl Default for Pruning {
@@ -210,8 +212,80 @@ impl Default for Pruning {
             idle: 9,
             as_of: None,
             truncate_wal: true,
+            max_clock_jump: Duration::from_secs(30 * DAY as u64),
+            trust_clock: false,
         }
     }
+}
+
+/// The earliest clock reading retention accepts: 2025-01-01T00:00:00Z, before this version of the inbox
+/// existed. A gateway without a real-time clock that boots at 1970 reads less than this.
+pub const EARLIEST_PLAUSIBLE_TIME: i64 = 1_735_689_600;
+
+/// What retention made of the clock; see [`clock_verdict`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClockVerdict {
+    /// The time can be right: retention acts on it.
+    Plausible,
+    /// The time is before `floor`: before [`EARLIEST_PLAUSIBLE_TIME`] or before the database was created.
+    BeforeFloor {
+        /// The earliest plausible time for this database.
+        floor: i64,
+    },
+    /// The time is further ahead of the latest time retention accepted before (`seen`) than
+    /// [`Pruning::max_clock_jump`] allows.
+    TooFarAhead {
+        /// The latest clock reading accepted before.
+        seen: i64,
+    },
+}
+
+impl ClockVerdict {
+    /// True for [`ClockVerdict::Plausible`].
+    pub fn is_plausible(&self) -> bool {
+        matches!(self, ClockVerdict::Plausible)
+    }
+
+    /// Why retention refuses to act, in words (`None` when plausible).
+    pub fn warning(&self, now: i64) -> Option<String> {
+        match *self {
+            ClockVerdict::Plausible => None,
+            ClockVerdict::BeforeFloor { floor } => Some(format!(
+                "the clock reads {now} (Unix seconds), before {floor}, when this database was created or before \
+                 this software existed: it cannot be right; retention prunes nothing until it is"
+            )),
+            ClockVerdict::TooFarAhead { seen } => Some(format!(
+                "the clock reads {now} (Unix seconds), {} days after the latest time retention accepted ({seen}): \
+                 retention prunes nothing until the time is confirmed (Pruning::trust_clock)",
+                (now - seen).div_euclid(DAY)
+            )),
+        }
+    }
+}
+
+/// The earliest plausible time for the database on `conn`: [`EARLIEST_PLAUSIBLE_TIME`], or the database's
+/// creation time when that is later (and was itself plausible).
+pub fn clock_floor(conn: &Connection) -> Result<i64> {
+    let created = crate::schema::meta_i64(conn, "created_at")?;
+    Ok(created
+        .filter(|c| *c > EARLIEST_PLAUSIBLE_TIME)
+        .unwrap_or(EARLIEST_PLAUSIBLE_TIME))
+}
+
+/// Whether retention may act on the time `now` in the database on `conn`: not before [`clock_floor`], and not
+/// more than `max_jump` after the latest time an earlier pass accepted.
+pub fn clock_verdict(conn: &Connection, now: i64, max_jump: Duration) -> Result<ClockVerdict> {
+    let floor = clock_floor(conn)?;
+    if now < floor {
+        return Ok(ClockVerdict::BeforeFloor { floor });
+    }
+    if let Some(seen) = crate::schema::meta_i64(conn, "clock_seen")? {
+        if now.saturating_sub(seen) > max_jump.as_secs().min(i64::MAX as u64) as i64 {
+            return Ok(ClockVerdict::TooFarAhead { seen });
+        }
+    }
+    Ok(ClockVerdict::Plausible)
 }
 
 impl Pruning {
@@ -254,6 +328,27 @@ impl Pruning {
         self.truncate_wal = truncate;
         self
     }
+
+    /// How far the clock may have moved ahead since the latest time an earlier pass accepted (default 30
+    /// days). A larger jump (a clock set to a far-future time, say) makes the pass prune nothing, with a
+    /// warning, until the time is confirmed with [`Pruning::trust_clock`]. [`Pruning::as_of`] is a time the
+    /// caller states, and is not held to it.
+    pub fn max_clock_jump(mut self, jump: Duration) -> Self {
+        self.max_clock_jump = jump;
+        self
+    }
+
+    /// The allowed jump (crate-internal: `inboxctl check` judges with the default).
+    pub(crate) fn jump(&self) -> Duration {
+        self.max_clock_jump
+    }
+
+    /// Accept the clock even if it jumped further ahead than [`Pruning::max_clock_jump`] (an operator confirmed
+    /// the time). A time before the database was created is never accepted.
+    pub fn trust_clock(mut self, trust: bool) -> Self {
+        self.trust_clock = trust;
+        self
+    }
 }
 
 /// What pruning did: the counts of one step, or summed over [`Inbox::prune`].
@@ -272,6 +367,12 @@ pub struct PruneReport {
     pub steps: u64,
     /// True when this step finished a pass: everything due was pruned and reclaimed.
     pub done: bool,
+    /// True when the clock could not be right ([`ClockVerdict`]), so this pass pruned no message and no
+    /// identity (it still reclaimed free space).
+    pub clock_refused: bool,
+    /// Identities whose stored commit day was before the database could exist, given the day of this pass
+    /// instead (so they age from a time that can be right, never faster).
+    pub identities_restamped: u64,
 }
 
 impl PruneReport {
@@ -282,6 +383,8 @@ impl PruneReport {
         self.pages_reclaimed += o.pages_reclaimed;
         self.steps += o.steps;
         self.done = o.done;
+        self.clock_refused |= o.clock_refused;
+        self.identities_restamped += o.identities_restamped;
     }
 }
 
@@ -388,6 +491,7 @@ fn load_rules(conn: &Connection) -> Result<HashMap<i64, ScopeRules>> {
 pub(crate) fn check_new_identity(
     conn: &Connection,
     d: &Delivery<'_>,
+    id_hash: &IdHash,
     scope_id: i64,
     now: i64,
     rules: &ScopeRules,
@@ -402,6 +506,7 @@ pub(crate) fn check_new_identity(
     expired(
         conn,
         d,
+        id_hash,
         scope_id,
         now,
         rules.policy.expired,
@@ -414,6 +519,7 @@ pub(crate) fn check_new_identity(
 fn expired(
     conn: &Connection,
     d: &Delivery<'_>,
+    id_hash: &IdHash,
     scope_id: i64,
     now: i64,
     policy: ExpiredPolicy,
@@ -434,7 +540,7 @@ fn expired(
     }
     // Undo the claim: the delivery is not applied, so it must not be remembered as processed.
     conn.prepare_cached("DELETE FROM identities WHERE scope_id = ?1 AND id_hash = ?2")?
-        .execute((scope_id, &d.id_hash().0[..]))?;
+        .execute((scope_id, &id_hash.0[..]))?;
     let quarantined = if policy == ExpiredPolicy::Quarantine {
         let reason = format!(
             "message id {:?} (producer {:?}) sent at {sent_at}, before the pruned identity horizon ({pruned_before})",
@@ -595,6 +701,23 @@ impl Inbox {
     }
 
     fn prune_phase(&mut self, opts: &Pruning, now: i64, report: &mut PruneReport) -> Result<()> {
+        if matches!(self.retention.phase, Phase::Messages | Phase::Identities) {
+            // Ages are only judged on a time that can be right (a gateway without a real-time clock boots at
+            // 1970; a bad time source can jump years ahead).
+            let jump = if opts.trust_clock || opts.as_of.is_some() {
+                Duration::MAX
+            } else {
+                opts.max_clock_jump
+            };
+            let verdict = clock_verdict(&self.conn, now, jump)?;
+            if let Some(why) = verdict.warning(now) {
+                log::warn!("retention: {why}");
+                report.clock_refused = true;
+                self.retention.phase = Phase::Vacuum;
+                self.retention.msg_after = 0;
+                return Ok(());
+            }
+        }
         match self.retention.phase {
             Phase::Messages => self.prune_messages(opts, now, report)?,
             Phase::Identities => self.prune_identities(opts, now, report)?,
@@ -699,8 +822,21 @@ impl Inbox {
         scopes.sort_unstable_by_key(|(id, _)| *id);
         let Some(&(scope_id, horizon)) = scopes.first() else {
             self.retention.phase = Phase::Vacuum;
+            if opts.as_of.is_none() {
+                // The clock was judged plausible for this pass: later passes measure jumps from here.
+                self.write_step(|conn| {
+                    conn.prepare_cached(
+                        "INSERT INTO inbox_meta (name, value) VALUES ('clock_seen', ?1) ON CONFLICT (name) \
+                         DO UPDATE SET value = max(coalesce(value, ?1), ?1)",
+                    )?
+                    .execute([now])?;
+                    Ok(())
+                })?;
+            }
             return Ok(());
         };
+        let floor_day = clock_floor(&self.conn)?.div_euclid(DAY);
+        let today = now.div_euclid(DAY);
         if scope_id != self.retention.id_scope {
             self.retention.id_scope = scope_id;
             self.retention.id_after.clear();
@@ -709,18 +845,38 @@ impl Inbox {
         let cutoff_day = (now - horizon.as_secs() as i64).div_euclid(DAY);
         let after = std::mem::take(&mut self.retention.id_after);
         let batch = opts.batch as i64;
-        let (upper, days) = self.write_step(|conn| {
+        let (upper, days, restamped) = self.write_step(|conn| {
             let upper: Option<Vec<u8>> = conn
                 .prepare_cached(
                     "SELECT max(id_hash) FROM (SELECT id_hash FROM identities WHERE scope_id = ?1 AND id_hash > ?2 \
                      ORDER BY id_hash LIMIT ?3)",
                 )?
                 .query_row((scope_id, &after[..], batch), |r| r.get(0))?;
-            let Some(upper) = upper else { return Ok((None, Vec::new())) };
+            let Some(upper) = upper else { return Ok((None, Vec::new(), 0)) };
+            // A commit day before the database could exist was stamped by a clock that was wrong (a gateway
+            // booted at 1970): it says nothing about the identity's age. Give it today instead, so it ages from a
+            // time that can be right and is kept at least a full horizon from now; never pruned on the bad day.
+            let restamped = conn
+                .prepare_cached(
+                    "UPDATE identities SET day = CASE WHEN day < 0 THEN -1 - ?5 ELSE ?5 END \
+                     WHERE scope_id = ?1 AND id_hash > ?2 AND id_hash <= ?3 \
+                     AND (CASE WHEN day < 0 THEN -1 - day ELSE day END) < ?4",
+                )?
+                .execute((scope_id, &after[..], &upper[..], floor_day, today))?;
+            if restamped > 0 {
+                conn.prepare_cached(
+                    "UPDATE scope_stats SET identities_restamped = identities_restamped + ?2 WHERE scope_id = ?1",
+                )?
+                .execute((scope_id, restamped as i64))?;
+                log::warn!(
+                    "scope {scope_id}: {restamped} identities carried a commit day before this database could exist \
+                     (a clock that was wrong when they were committed); they now count from day {today}"
+                );
+            }
             let days = conn
                 .prepare_cached(
                     "DELETE FROM identities AS i WHERE i.scope_id = ?1 AND i.id_hash > ?2 AND i.id_hash <= ?3 \
-                     AND i.day < ?4 AND NOT EXISTS ( \
+                     AND i.day >= 0 AND i.day < ?4 AND NOT EXISTS ( \
                        SELECT 1 FROM messages m WHERE m.scope_id = ?1 AND m.id_hash = i.id_hash) \
                      RETURNING day",
                 )?
@@ -741,8 +897,9 @@ impl Inbox {
                     days.len()
                 );
             }
-            Ok((Some(upper), days))
+            Ok((Some(upper), days, restamped as u64))
         })?;
+        report.identities_restamped += restamped;
         // This connection wrote pruned_before itself: data_version does not see that.
         self.retention.invalidate();
         report.identities_pruned += days.len() as u64;
