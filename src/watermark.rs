@@ -65,9 +65,9 @@ impl Inbox {
 }
 
 /// How many of a producer's most recent sequences keep the identity that claimed them (in
-/// `watermark_recent`): a sequence that comes again within this window is compared with it. 1024 rows of about
+/// `watermark_recent`): a sequence that comes again within this window is compared with it. 128 rows of about
 /// 40 bytes per producer.
-pub const SEQUENCE_WINDOW: u64 = 1024;
+pub const SEQUENCE_WINDOW: u64 = 128;
 
 /// One numbered delivery to claim; see [`claim`].
 pub(crate) struct Claim<'a> {
