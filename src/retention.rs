@@ -516,6 +516,7 @@ pub(crate) fn check_new_identity(
 }
 
 #[cold]
+#[allow(clippy::too_many_arguments)]
 fn expired(
     conn: &Connection,
     d: &Delivery<'_>,
