@@ -147,8 +147,10 @@ impl RetentionPolicy {
     /// deduplication is exact for ever. Sequences that arrive out of order are kept individually until the gap
     /// closes (a permanent gap keeps them individually for good: still exact, only larger).
     ///
-    /// Trade-off: no fingerprint is kept per sequence, so a sequence reused with different content is reported
-    /// as [`Outcome::Duplicate`], not as a conflict. Deliveries without a producer or sequence, or with a
+    /// A repeated sequence is compared with the identity that claimed it, kept for the last
+    /// [`SEQUENCE_WINDOW`](crate::SEQUENCE_WINDOW) sequences of each producer: the same message is a duplicate,
+    /// the same id with other content a conflict, another id (a restarted counter) or a sequence below the window
+    /// an [`Outcome::SequenceConflict`], quarantined. Deliveries without a producer or sequence, or with a
     /// sequence below `first` (or above `i64::MAX`), use identity rows as usual.
     ///
     /// Can only be chosen (or changed) while the scope has recorded nothing; to switch an existing consumer,
