@@ -328,6 +328,10 @@ fn stats(cli: &Cli, path: &Path, scope: Option<&str>) -> anyhow::Result<ExitCode
             s.identities_pruned,
             s.payloads_pruned
         );
+        println!(
+            "  sequence conflicts {}  identities without send time {} (never pruned)  re-dated {}",
+            s.sequence_conflicts, s.identities_undated, s.identities_restamped
+        );
     }
     if doc.scopes.is_empty() {
         println!("(no scopes)");
@@ -558,6 +562,12 @@ fn check(cli: &Cli, path: &Path, max_problems: usize) -> anyhow::Result<ExitCode
         println!(
             "page size {}; {} pages, {} free; database {} bytes, WAL {} bytes",
             r.page_size, r.page_count, r.freelist_count, doc.files.db_bytes, doc.files.wal_bytes
+        );
+        println!(
+            "identity key {}; clock {}; identities with a commit day before the database existed {}",
+            r.id_key,
+            r.clock_warning.as_deref().map_or("plausible".into(), |w| format!("WARNING: {w}")),
+            r.identities_implausible_day
         );
     }
     Ok(if r.ok {
