@@ -2,7 +2,7 @@
 //!
 //! Identities are the evidence that protects against a repeated effect; payloads are only cost. A
 //! [`RetentionPolicy`] is stored per scope in the database (every connection and process sharing the file applies
-//! the same rules) and [`Inbox::prune_step`] applies all of them in small bounded transactions.
+//! the same rules) and [`Inbox::prune_step`](crate::Inbox::prune_step) applies all of them in small bounded transactions.
 //!
 //! [`Inbox::prune_step`]: crate::Inbox::prune_step
 
@@ -22,7 +22,7 @@ pub(crate) mod watermark;
 const DAY: i64 = 86_400;
 
 /// What to do with a delivery that was sent before the scope's identity horizon (older than
-/// [`Inbox::pruned_before`]) and whose identity is not found: it may be new, or a repetition whose identity was
+/// [`Inbox::pruned_before`](crate::Inbox::pruned_before)) and whose identity is not found: it may be new, or a repetition whose identity was
 /// pruned, and the inbox can no longer tell which.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -306,13 +306,13 @@ impl Pruning {
         self
     }
 
-    /// Pause between steps in [`Inbox::prune`] (default 10 ms), leaving the write lock to consumers.
+    /// Pause between steps in [`Inbox::prune`](crate::Inbox::prune) (default 10 ms), leaving the write lock to consumers.
     pub fn pause(mut self, pause: Duration) -> Self {
         self.pause = pause;
         self
     }
 
-    /// In [`Inbox::prune`], rest at least `factor` times as long as each step took (default 9), so pruning uses
+    /// In [`Inbox::prune`](crate::Inbox::prune), rest at least `factor` times as long as each step took (default 9), so pruning uses
     /// about a tenth of the disk's time and a consumer rarely meets it: its I/O (WAL writes, checkpoints)
     /// competes with the consumer's fsyncs even when it does not hold the write lock. 0 rests only the fixed
     /// pause. Measured by `examples/retention_bench.rs`: with 9, pruning a million stored messages takes about
@@ -356,7 +356,7 @@ impl Pruning {
     }
 }
 
-/// What pruning did: the counts of one step, or summed over [`Inbox::prune`].
+/// What pruning did: the counts of one step, or summed over [`Inbox::prune`](crate::Inbox::prune).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PruneReport {

@@ -56,7 +56,7 @@ impl Inbox {
 
     /// Every identity of `scope` pruned so far was committed before this time (Unix seconds); `None` while no
     /// identity of the scope was ever pruned. Deliveries sent before it (allowing the clock skew) whose identity
-    /// is not found follow the scope's [`ExpiredPolicy`].
+    /// is not found follow the scope's [`ExpiredPolicy`](crate::ExpiredPolicy).
     pub fn pruned_before(&mut self, scope: &str) -> Result<Option<i64>> {
         let scope_id = self.scope_id(scope)?;
         Ok(self
