@@ -240,7 +240,12 @@ fn usage_errors_exit_2_and_operational_errors_exit_1_without_creating_files() {
     ] {
         let out = inboxctl(&missing, args);
         assert_eq!(out.status.code(), Some(1), "{args:?}");
-        assert!(!String::from_utf8_lossy(&out.stderr).is_empty());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.is_empty());
+        // One line, each cause said once.
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        let links: Vec<&str> = err.trim_end().split(": ").collect();
+        assert!(links.windows(2).all(|w| w[0] != w[1]), "{err}");
         assert!(!missing.exists(), "{args:?} must not create a database");
     }
     let not_db = dir.path().join("notes.txt");

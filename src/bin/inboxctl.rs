@@ -138,34 +138,38 @@ enum Format {
 
 fn main() -> ExitCode {
     let cli = Cli::parse(); // exits with 2 on a usage error
-    env_logger_free_init();
+    init_logging();
     match run(&cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("inboxctl: {e:#}");
+            eprintln!("inboxctl: {}", cause_chain(&e));
             ExitCode::from(1)
         }
     }
 }
 
-/// Library warnings go to stderr without pulling in a logger crate.
-fn env_logger_free_init() {
-    struct Stderr;
-    impl log::Log for Stderr {
-        fn enabled(&self, m: &log::Metadata<'_>) -> bool {
-            m.level() <= log::Level::Warn
+/// Each cause once: some errors already print their source in their own message, so a link that the
+/// previous one ends with is not repeated.
+fn cause_chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.ends_with(&text) {
+            continue;
         }
-        fn log(&self, r: &log::Record<'_>) {
-            if self.enabled(r.metadata()) {
-                eprintln!("{}: {}", r.level(), r.args());
-            }
+        if !out.is_empty() {
+            out.push_str(": ");
         }
-        fn flush(&self) {}
+        out.push_str(&text);
     }
-    static LOGGER: Stderr = Stderr;
-    if log::set_logger(&LOGGER).is_ok() {
-        log::set_max_level(log::LevelFilter::Warn);
-    }
+    out
+}
+
+/// Library log records go to stderr; `RUST_LOG` selects them, warnings and errors by default.
+fn init_logging() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format_timestamp(None)
+        .init();
 }
 
 fn db(cli: &Cli) -> anyhow::Result<&Path> {
