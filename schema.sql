@@ -1,10 +1,19 @@
--- edge-inbox schema, version 1.
+-- edge-inbox schema, version 2.
 --
 -- This file is the single source of the schema: `src/schema.rs` runs it on a new database and then sets
 -- `PRAGMA user_version`. A later version adds a forward migration there and bumps the version; this file
 -- always shows the current shape.
 --
 -- Times are Unix seconds (UTC). Hashes are xxh3 (stable across releases and platforms).
+
+-- Facts about the file itself. name 'id_key': the secret (192 random bytes, created with the schema) under
+-- which identity hashes are computed; NULL in a file migrated from version 1, whose identities stay unkeyed.
+-- name 'created_at': when the schema was created (Unix seconds; in a migrated file the first scope's creation).
+-- name 'clock_seen': the latest clock reading retention accepted (see src/retention.rs).
+CREATE TABLE inbox_meta (
+    name  TEXT PRIMARY KEY,
+    value
+) WITHOUT ROWID;
 
 -- Consumer scopes are interned: every other table stores the small integer, not the name.
 CREATE TABLE scopes (
@@ -14,10 +23,12 @@ CREATE TABLE scopes (
 );
 
 -- The evidence. One compact row per (scope, producer, message id) ever committed.
--- id_hash is xxh3-128 of (producer, message id): fixed width whatever the id length, so the row stays small
+-- id_hash is xxh3-128 of (producer, message id) under the file's id_key: fixed width whatever the id length, so the row stays small
 -- after the payload is pruned. fingerprint is xxh3-64 of (topic, payload) and only detects conflicts.
 -- day is the commit time in whole Unix days (UTC): two bytes until 2059 instead of four for seconds, which keeps
--- a retained identity under 40 bytes on disk; the identity horizon only needs day precision.
+-- a retained identity under 40 bytes on disk; the identity horizon only needs day precision. A delivery that
+-- carried no send time stores -1 - day: the identity horizon never prunes it, since a repetition of it could
+-- not be recognised as expired once its identity is gone.
 -- No index on day: the identity horizon is applied by a bounded scan in key order (an index would cost more
 -- bytes per identity than the row itself saves).
 -- The PRIMARY KEY insert, inside BEGIN IMMEDIATE, is what arbitrates a duplicate.
@@ -54,7 +65,13 @@ CREATE TABLE scope_stats (
     dead_lettered     INTEGER NOT NULL DEFAULT 0,
     identities_pruned INTEGER NOT NULL DEFAULT 0,
     payloads_pruned   INTEGER NOT NULL DEFAULT 0,
-    expired           INTEGER NOT NULL DEFAULT 0
+    expired           INTEGER NOT NULL DEFAULT 0,
+    -- Numbered deliveries whose sequence was already claimed by another message (a producer that restarted
+    -- its counter, or two producers sharing a namespace) or could no longer be compared: quarantined.
+    sequence_conflicts INTEGER NOT NULL DEFAULT 0,
+    -- Identities whose commit day could not be right (before the file existed, or in the future) and that
+    -- retention stamped with the day it first saw a plausible clock instead.
+    identities_restamped INTEGER NOT NULL DEFAULT 0
 );
 
 -- Built-in key-value state for handlers. Values are CBOR. ns is the scope name unless the caller picks one.
@@ -159,6 +176,17 @@ CREATE TABLE watermark_exceptions (
     scope_id INTEGER NOT NULL,
     producer TEXT    NOT NULL,
     sequence INTEGER NOT NULL,
+    PRIMARY KEY (scope_id, producer, sequence)
+) WITHOUT ROWID;
+-- The identity of the most recent claimed sequences of each producer (a bounded window, see src/watermark.rs):
+-- a sequence that comes again is compared with the message that claimed it, so a producer whose counter
+-- restarted is detected instead of being taken for a duplicate.
+CREATE TABLE watermark_recent (
+    scope_id    INTEGER NOT NULL,
+    producer    TEXT    NOT NULL,
+    sequence    INTEGER NOT NULL,
+    id_hash     BLOB    NOT NULL,
+    fingerprint INTEGER NOT NULL,
     PRIMARY KEY (scope_id, producer, sequence)
 ) WITHOUT ROWID;
 

@@ -9,7 +9,7 @@ use rusqlite::{Connection, OptionalExtension};
 use crate::retention::{self, RetentionState, ScopeRules};
 use crate::store::config::{Config, OutboxSettings};
 use crate::store::db::Db;
-use crate::store::error::{extended_code, Error, Result};
+use crate::store::error::{extended_code, storage_error, Error, Result};
 use crate::store::identity::{Delivery, Fingerprint, IdHash};
 use crate::store::outcome::{MessageState, Outcome, Status};
 use crate::store::schema;
@@ -73,6 +73,7 @@ impl Inbox {
             config.synchronous.pragma_value(),
         )?;
         conn.outbox = OutboxSettings::from_config(&config);
+        conn.id_key = schema::id_key(&conn)?;
         conn.slow_commit = config.slow_commit;
         Ok(Inbox {
             conn,
@@ -88,6 +89,17 @@ impl Inbox {
     /// The settings this inbox was opened with.
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The key under which this database hashes identities (random per database since schema version 2;
+    /// [`IdKey::UNKEYED`](crate::IdKey::UNKEYED) in a file migrated from version 1).
+    pub fn id_key(&self) -> &crate::store::identity::IdKey {
+        &self.conn.id_key
+    }
+
+    /// The stored key of the identity (producer, message id) in this database, under its [`Inbox::id_key`].
+    pub fn id_hash(&self, producer: Option<&str>, message_id: &str) -> IdHash {
+        IdHash::keyed(&self.conn.id_key, producer, message_id)
     }
 
     /// The database file.
@@ -162,7 +174,8 @@ impl Inbox {
         producer: Option<&str>,
         message_id: &str,
     ) -> Result<Status> {
-        status(&self.conn, scope, producer, message_id)
+        let id_hash = self.id_hash(producer, message_id);
+        status_of(&self.conn, scope, &id_hash)
     }
 
     /// Records a delivery that could not be turned into a [`Delivery`] (no id, malformed envelope, over a
@@ -333,6 +346,7 @@ impl Inbox {
                 // Only the receive path yields it; the strong case never does.
                 Outcome::Received => {}
                 Outcome::Expired { .. } => {} // counted by the retention module when it flagged it
+                Outcome::SequenceConflict { .. } => {} // counted by the watermark module
             }
             emit(i, outcome);
         }
@@ -434,22 +448,30 @@ pub(crate) fn claim_identity(
     {
         // Outside the watermark's range (below `first`, above i64::MAX), identity rows apply as usual.
         if seq >= first && seq <= i64::MAX as u64 {
-            return crate::retention::watermark::claim(conn, scope_id, producer, seq, first as i64);
+            let claim = crate::retention::watermark::Claim {
+                scope_id,
+                producer,
+                sequence: seq,
+                first: first as i64,
+                id_hash: d.id_hash(&conn.id_key),
+                fingerprint: d.fingerprint(),
+            };
+            return crate::retention::watermark::claim(conn, &claim, d, now);
         }
     }
-    let id_hash = d.id_hash();
+    let id_hash = d.id_hash(&conn.id_key);
     let fingerprint = d.fingerprint();
     let inserted = conn.insert_identity(
         scope_id,
         &id_hash.0,
         fingerprint.to_sql(),
-        identity_day(now),
+        stored_day(now, d.sent_at.is_some()),
     );
     // The primary key arbitrates: `ON CONFLICT DO NOTHING` changes no row when the identity exists, and
     // saves building an error (and its message) on the duplicate path.
     match inserted? {
         0 => existing(conn, d, scope_id, &id_hash, fingerprint, now).map(Some),
-        _ => retention::check_new_identity(conn, d, scope_id, now, rules),
+        _ => retention::check_new_identity(conn, d, &id_hash, scope_id, now, rules),
     }
 }
 
@@ -457,6 +479,27 @@ pub(crate) fn claim_identity(
 /// row small).
 pub(crate) fn identity_day(unix_seconds: i64) -> i64 {
     unix_seconds.div_euclid(86_400)
+}
+
+/// The `day` column of a new identity: its commit day, or `-1 - day` for a delivery that carried no send time
+/// ([`Delivery::sent_at`]). The identity horizon never prunes the latter: once its identity was gone, a
+/// repetition of it could not be told from a new message (nothing would say it is older than the horizon).
+pub(crate) fn stored_day(unix_seconds: i64, dated: bool) -> i64 {
+    let day = identity_day(unix_seconds);
+    if dated {
+        day
+    } else {
+        -1 - day
+    }
+}
+
+/// The commit day of a stored `day` column (see [`stored_day`]).
+pub(crate) fn commit_day(stored: i64) -> i64 {
+    if stored < 0 {
+        -1 - stored
+    } else {
+        stored
+    }
 }
 
 /// The identity exists: a duplicate if the content matches, else a recorded conflict.
@@ -514,13 +557,6 @@ pub(crate) fn storage_cause(err: &anyhow::Error) -> Option<Error> {
     None
 }
 
-pub(crate) fn storage_error(code: i32) -> Error {
-    Error::from(rusqlite::Error::SqliteFailure(
-        rusqlite::ffi::Error::new(code),
-        None,
-    ))
-}
-
 pub(crate) fn intern_scope(conn: &Db, scope: &str, now: i64) -> Result<i64> {
     begin(conn)?;
     let result = (|| -> rusqlite::Result<i64> {
@@ -546,17 +582,21 @@ pub(crate) fn intern_scope(conn: &Db, scope: &str, now: i64) -> Result<i64> {
     }
 }
 
-/// Identity lookup shared by [`Inbox::status`] and read-only tools.
+/// Identity lookup shared by [`Inbox::status`] and read-only tools, under the database's own key.
 pub(crate) fn status(
     conn: &Connection,
     scope: &str,
     producer: Option<&str>,
     message_id: &str,
 ) -> Result<Status> {
-    let id_hash = IdHash::of(producer, message_id);
+    let id_hash = IdHash::keyed(&schema::id_key(conn)?, producer, message_id);
+    status_of(conn, scope, &id_hash)
+}
+
+fn status_of(conn: &Connection, scope: &str, id_hash: &IdHash) -> Result<Status> {
     let row = conn
         .prepare_cached(
-            "SELECT i.fingerprint, i.day * 86400, m.state FROM identities i JOIN scopes s ON s.id = i.scope_id \
+            "SELECT i.fingerprint, (CASE WHEN i.day < 0 THEN -1 - i.day ELSE i.day END) * 86400, m.state FROM identities i JOIN scopes s ON s.id = i.scope_id \
              LEFT JOIN messages m ON m.scope_id = i.scope_id AND m.id_hash = i.id_hash \
              WHERE s.name = ?1 AND i.id_hash = ?2",
         )?

@@ -89,6 +89,15 @@
 //!
 //! The identity is stored as a 16-byte xxh3-128 hash ([`IdHash`]), and beside it a 64-bit
 //! [`Fingerprint`] of (topic, payload) that tells a redelivery from a conflicting reuse of the id.
+//! The hash is keyed per database ([`IdKey`]): a random secret created with the schema from the operating
+//! system's random source and stored in the file, so a producer that chooses its ids cannot craft a collision
+//! with another message's identity. Compute a stored hash with [`Inbox::id_hash`]; a file migrated from schema
+//! version 1 keeps the unkeyed hash of that version ([`IdKey::UNKEYED`], `inboxctl check` shows `identity key
+//! none`), so its identity rows stay valid.
+//!
+//! [`UserProperty`] reads the message id from `message-id`, the producer from `producer` and the send time
+//! ([`Delivery::sent_at`]) from `sent-at` ([`SENT_AT`]): Unix seconds in decimal or an RFC 3339 time; any
+//! other value is bad input and quarantined.
 //!
 //! ## Handlers and state
 //!
@@ -272,8 +281,9 @@
 //! - **TLS** through rustls with the *ring* provider only (no cmake or bindgen in cross builds) and
 //!   username/password ([`MqttConfig::credentials`]); credentials never appear in logs or `Debug` output.
 //!
-//! `examples/inventory.rs` is the whole scenario: `cargo run --example inventory` starts its own mosquitto,
-//! publishes order events with a redelivery, a conflicting reuse of an id and a message without an id, and
+//! `examples/inventory.rs` is the whole scenario: `cargo run --example inventory` starts a local broker
+//! (mosquitto when it is installed, else one embedded in the example's process; `--broker HOST:PORT` in `run`
+//! mode for a real one), publishes order events with a redelivery, a conflicting reuse of an id and a message without an id, and
 //! prints what was reserved.
 //!
 //! ## Consumer outbox: publishing from a handler
@@ -376,7 +386,8 @@
 //! The external system's own deduplication (an idempotency key, a conditional write, a unique constraint)
 //! is what makes the effect happen once; without it the effect is at-least-once.
 //!
-//! `examples/outbox.rs` runs the whole scenario on its own mosquitto: a consumer whose handler publishes
+//! `examples/outbox.rs` runs the whole scenario on a local broker (as the inventory example
+//! chooses it): a consumer whose handler publishes
 //! `stock-reserved`, the relay, and a subscriber that prints what it gets (the redelivered order is announced
 //! once).
 //!
@@ -393,8 +404,9 @@
 //!
 //! - **payloads**: stored messages in state *processed* and, separately, *dead-lettered* are deleted after their
 //!   own age. Pending and failed messages are never deleted. The compact identity row stays (interned scope,
-//!   16-byte hash, fingerprint, commit day: 39.3 bytes on disk each for a million identities, measured by
-//!   `examples/retention_bench.rs`), so every redelivery is still a [`Outcome::Duplicate`];
+//!   16-byte hash, fingerprint, commit day: 39.3 bytes on disk each for a million identities, 39.1 for 100 000
+//!   beside the empty schema's fixed pages, measured by `examples/retention_bench.rs`), so every redelivery is
+//!   still a [`Outcome::Duplicate`];
 //! - **identity horizon** (default: forever): when the operator sets one, identities older than it are deleted,
 //!   counted (`identities_pruned`) and logged. An identity whose stored message still exists (pending, failed,
 //!   or a processed or dead-lettered body not yet pruned) is never deleted. The horizon must cover every way an
@@ -404,11 +416,27 @@
 //!   [`Delivery::sent_at`] is older than that (allowing [`RetentionPolicy::clock_skew`]) and whose identity is
 //!   not found may be a repetition the inbox can no longer recognise. The scope's [`ExpiredPolicy`] decides:
 //!   process it as new (logged), reject it, or quarantine it ([`Outcome::Expired`], never a duplicate);
+//! - **deliveries without a send time**: nothing could ever say that a repetition of one is older than the
+//!   horizon, so its identity is stored marked *undated* and the horizon never prunes it (`inboxctl stats`
+//!   counts them). Safe: such a repetition always finds its identity; the cost is storage, until producers
+//!   stamp `sent-at` (the outbox relay does);
+//! - **the clock**: retention acts only on a time that can be right. Before [`EARLIEST_PLAUSIBLE_TIME`] or
+//!   before the database was created (a gateway without a real-time clock boots at 1970), or more than
+//!   [`Pruning::max_clock_jump`] (30 days) after the latest time a pass accepted, a pass prunes nothing
+//!   ([`PruneReport::clock_refused`]), logs a warning, and `inboxctl check` says so; [`Pruning::trust_clock`]
+//!   confirms a jump. An identity whose commit day is before the database could exist was stamped by a wrong
+//!   clock: a pass re-dates it to the current day (it ages from a time that can be right, never faster),
+//!   counted as `identities_restamped`;
 //! - **sequence watermarks** ([`RetentionPolicy::sequence_watermarks`], opt-in per new scope): when producers
 //!   number their messages, contiguous processed ranges collapse into one high-water mark per producer plus the
 //!   few sequences that arrived out of order, so deduplication stays exact for ever in O(producers) space
-//!   (10 million messages from 100 producers: an 84 KiB file). No fingerprint is kept per sequence:
-//!   a sequence reused with different content is a duplicate there, not a conflict.
+//!   (10 million messages from 100 producers: an 84 KiB file, plus the window below). A repeated sequence is
+//!   never a duplicate on its number alone: the identity and fingerprint of the last [`SEQUENCE_WINDOW`]
+//!   sequences of each producer (and of every out-of-order one) are kept, so the same message is a duplicate,
+//!   the same id with other content a conflict, and another id (a producer that restarted its counter, or two
+//!   producers in one namespace) an [`Outcome::SequenceConflict`]: quarantined with its reason and counted
+//!   (`sequence_conflicts`). Below the window nothing can be compared any more, so such a sequence is
+//!   quarantined too (cause `below-window`): never applied twice, never acked unseen.
 //!
 //! [`Inbox::prune_step`] does one bounded step (a window of rows, some free pages, or a WAL checkpoint) in its
 //! own short transaction; [`Inbox::prune`] runs a whole pass, resting between steps so that consumers on the
@@ -481,16 +509,21 @@ pub use crate::inspect::{FileSizes, ScopeReport};
 pub use crate::mqtt::conn::{MqttConfig, Protocol, Tls};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::consumer::{Consumer, RunSummary, StopHandle};
-pub use crate::mqtt::extract::{Envelope, ExtractIdentity, Identity, Incoming, UserProperty};
+pub use crate::mqtt::extract::{
+    parse_sent_at, Envelope, ExtractIdentity, Identity, Incoming, UserProperty, SENT_AT,
+};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::relay::{Relay, RelayConfig, RelayStats};
 pub use crate::outbox::{outbox_message_id, OutboxBacklog, OutboxProperties, Qos};
-pub use crate::retention::watermark::Watermark;
-pub use crate::retention::{versioned_scope, ExpiredPolicy, PruneReport, Pruning, RetentionPolicy};
+pub use crate::retention::watermark::{Watermark, SEQUENCE_WINDOW};
+pub use crate::retention::{
+    clock_floor, clock_verdict, versioned_scope, ClockVerdict, ExpiredPolicy, PruneReport, Pruning,
+    RetentionPolicy, EARLIEST_PLAUSIBLE_TIME,
+};
 pub use crate::store::config::{Config, Limits, Synchronous};
 pub use crate::store::error::{Error, InvalidDelivery, Result};
-pub use crate::store::identity::{Delivery, Fingerprint, IdHash};
-pub use crate::store::outcome::{MessageState, Outcome, Status};
+pub use crate::store::identity::{Delivery, Fingerprint, IdHash, IdKey, ID_KEY_LEN};
+pub use crate::store::outcome::{MessageState, Outcome, SequenceConflictCause, Status};
 pub use crate::store::schema::{open_read_only, SCHEMA_VERSION};
 pub use crate::store::state::Tx;
 

@@ -22,7 +22,13 @@ fn bump(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
 /// and a second scope.
 fn populate(path: &Path) -> Inbox {
     let mut inbox = Inbox::open(path, Config::default()).unwrap();
-    let d = Delivery::new(SCOPE, "evt-1", "orders/1", b"{\"qty\":1}");
+    // Stamped with a send time, as the relay's `sent-at` does: the identity horizon never prunes the identity
+    // of a delivery without one.
+    let sent = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let d = Delivery::new(SCOPE, "evt-1", "orders/1", b"{\"qty\":1}").with_sent_at(sent);
     assert!(matches!(
         inbox.process(&d, bump).unwrap(),
         Outcome::Processed
@@ -31,7 +37,7 @@ fn populate(path: &Path) -> Inbox {
         inbox.process(&d, bump).unwrap(),
         Outcome::Duplicate
     ));
-    let other = Delivery::new(SCOPE, "evt-1", "orders/1", b"{\"qty\":2}");
+    let other = Delivery::new(SCOPE, "evt-1", "orders/1", b"{\"qty\":2}").with_sent_at(sent);
     assert!(matches!(
         inbox.process(&other, bump).unwrap(),
         Outcome::Conflict { .. }
@@ -44,12 +50,14 @@ fn populate(path: &Path) -> Inbox {
             "delivery carries no application message id",
         )
         .unwrap();
-    let dl = Delivery::new(SCOPE, "evt-dl", "orders/2", b"{bad").with_producer("shop-1");
+    let dl = Delivery::new(SCOPE, "evt-dl", "orders/2", b"{bad")
+        .with_producer("shop-1")
+        .with_sent_at(sent);
     assert!(matches!(
         inbox.dead_letter_after(&dl, 3, "bad JSON").unwrap(),
         Outcome::Processed
     ));
-    let p = Delivery::new(SCOPE, "evt-p", "orders/3", b"pending body");
+    let p = Delivery::new(SCOPE, "evt-p", "orders/3", b"pending body").with_sent_at(sent);
     assert!(matches!(inbox.receive(&p).unwrap(), Outcome::Received));
     let o = Delivery::new("audit", "evt-1", "orders/1", b"{\"qty\":1}");
     assert!(matches!(
@@ -123,10 +131,7 @@ fn stats_show_and_listings_agree_with_the_library() {
         id["fingerprint"],
         Fingerprint::of("orders/1", b"{\"qty\":1}").to_string()
     );
-    assert_eq!(
-        id["id_hash"],
-        edge_inbox::IdHash::of(None, "evt-1").to_hex()
-    );
+    assert_eq!(id["id_hash"], inbox.id_hash(None, "evt-1").to_hex());
     assert_eq!(id["conflicts"], 1);
     assert!(id["message"].is_null());
     let pending = json(&path, &["show", "id", "--scope", SCOPE, "evt-p"]);
@@ -235,7 +240,12 @@ fn usage_errors_exit_2_and_operational_errors_exit_1_without_creating_files() {
     ] {
         let out = inboxctl(&missing, args);
         assert_eq!(out.status.code(), Some(1), "{args:?}");
-        assert!(!String::from_utf8_lossy(&out.stderr).is_empty());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.is_empty());
+        // One line, each cause said once.
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        let links: Vec<&str> = err.trim_end().split(": ").collect();
+        assert!(links.windows(2).all(|w| w[0] != w[1]), "{err}");
         assert!(!missing.exists(), "{args:?} must not create a database");
     }
     let not_db = dir.path().join("notes.txt");

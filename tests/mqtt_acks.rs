@@ -1,7 +1,6 @@
 //! Acks against a real mosquitto: a graceful stop acks everything it committed before it disconnects, no
 //! ack crosses a reconnect, every configured filter is subscribed, a deterministic failure is dead-lettered
 //! instead of stalling the stream.
-#![cfg(feature = "mqtt")]
 
 mod broker;
 mod common;
@@ -13,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use broker::{publish_v311, publish_v5, Broker, Msg};
+use broker::{publish_v311, publish_v5, Broker, Msg, Needs};
 use edge_inbox::{Config, Consumer, Envelope, Inbox, MqttConfig, Protocol, RunSummary, StopHandle};
 
 const SCOPE: &str = "acks";
@@ -153,17 +152,14 @@ fn stop_in_handler_at(k: usize, n: usize, client_id: &str) {
     assert!(applied.values().all(|&c| c == 1), "{applied:?}");
 }
 
-#[test]
 fn a_stop_from_the_handler_mid_batch_acks_the_whole_batch() {
     stop_in_handler_at(3, 10, "acks-stop-k");
 }
 
-#[test]
 fn a_stop_from_the_handler_at_the_last_delivery_acks_the_whole_batch() {
     stop_in_handler_at(10, 10, "acks-stop-n");
 }
 
-#[test]
 fn a_stop_from_another_thread_mid_flood_leaves_nothing_committed_unacked() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();
@@ -212,7 +208,6 @@ fn a_stop_from_another_thread_mid_flood_leaves_nothing_committed_unacked() {
     assert!(applied.values().all(|&c| c == 1));
 }
 
-#[test]
 fn sigterm_to_inventory_run_mid_flood_acks_what_it_committed() {
     init_log();
     let broker = Broker::start();
@@ -484,17 +479,14 @@ fn cut_after_a_burst(protocol: Protocol, client_id: &str) {
     }
 }
 
-#[test]
 fn v311_no_ack_crosses_a_broker_restart_without_persistence() {
     cut_after_a_burst(Protocol::V311, "acks-cut-v4");
 }
 
-#[test]
 fn v5_no_ack_crosses_a_broker_restart_without_persistence() {
     cut_after_a_burst(Protocol::V5, "acks-cut-v5");
 }
 
-#[test]
 fn a_filter_added_between_runs_is_subscribed_on_a_kept_session() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();
@@ -520,7 +512,6 @@ fn a_filter_added_between_runs_is_subscribed_on_a_kept_session() {
     assert!(s.processed >= 1, "{s:?}");
 }
 
-#[test]
 fn a_handler_that_ends_the_transaction_is_dead_lettered_and_the_stream_moves_on() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();
@@ -573,4 +564,49 @@ fn a_handler_that_ends_the_transaction_is_dead_lettered_and_the_stream_moves_on(
     assert_eq!(applied.len(), 6, "{applied:?}");
     assert!(!applied.contains_key("poison"));
     assert_eq!(s.acked, 7, "{s:?}");
+}
+
+fn main() {
+    broker::run_tests(&[
+        (
+            "a_stop_from_the_handler_mid_batch_acks_the_whole_batch",
+            a_stop_from_the_handler_mid_batch_acks_the_whole_batch,
+            Needs::AnyBroker,
+        ),
+        (
+            "a_stop_from_the_handler_at_the_last_delivery_acks_the_whole_batch",
+            a_stop_from_the_handler_at_the_last_delivery_acks_the_whole_batch,
+            Needs::AnyBroker,
+        ),
+        (
+            "a_stop_from_another_thread_mid_flood_leaves_nothing_committed_unacked",
+            a_stop_from_another_thread_mid_flood_leaves_nothing_committed_unacked,
+            Needs::AnyBroker,
+        ),
+        (
+            "sigterm_to_inventory_run_mid_flood_acks_what_it_committed",
+            sigterm_to_inventory_run_mid_flood_acks_what_it_committed,
+            Needs::AnyBroker,
+        ),
+        (
+            "v311_no_ack_crosses_a_broker_restart_without_persistence",
+            v311_no_ack_crosses_a_broker_restart_without_persistence,
+            Needs::Mosquitto,
+        ),
+        (
+            "v5_no_ack_crosses_a_broker_restart_without_persistence",
+            v5_no_ack_crosses_a_broker_restart_without_persistence,
+            Needs::Mosquitto,
+        ),
+        (
+            "a_filter_added_between_runs_is_subscribed_on_a_kept_session",
+            a_filter_added_between_runs_is_subscribed_on_a_kept_session,
+            Needs::AnyBroker,
+        ),
+        (
+            "a_handler_that_ends_the_transaction_is_dead_lettered_and_the_stream_moves_on",
+            a_handler_that_ends_the_transaction_is_dead_lettered_and_the_stream_moves_on,
+            Needs::AnyBroker,
+        ),
+    ])
 }

@@ -1,7 +1,6 @@
 //! The relay's edges against a real mosquitto: the `sent-at` stamp every message carries (the same on a
 //! resend), and a row too large for the broker's Maximum Packet Size, which is parked instead of holding
 //! back the outbox.
-#![cfg(feature = "mqtt")]
 
 mod broker;
 mod common;
@@ -10,7 +9,7 @@ mod outbox_support;
 use std::path::Path;
 use std::time::Duration;
 
-use broker::Broker;
+use broker::{Broker, Needs};
 use edge_inbox::{
     Config, Delivery, Inbox, MqttConfig, OutboxProperties, Qos, Relay, RelayConfig, Tx,
 };
@@ -51,7 +50,6 @@ fn sent_at(props: &[(String, String)]) -> Vec<&str> {
         .collect()
 }
 
-#[test]
 fn every_message_carries_its_commit_time_as_sent_at_also_when_resent() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();
@@ -136,7 +134,6 @@ fn every_message_carries_its_commit_time_as_sent_at_also_when_resent() {
     );
 }
 
-#[test]
 fn a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on() {
     let broker = Broker::start_with_options("max_packet_size 2048");
     let dir = tempfile::tempdir().unwrap();
@@ -165,4 +162,19 @@ fn a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on() {
     );
     // Kept for an operator.
     assert_eq!(inbox.requeue_parked_outbox().unwrap(), 1);
+}
+
+fn main() {
+    broker::run_tests(&[
+        (
+            "every_message_carries_its_commit_time_as_sent_at_also_when_resent",
+            every_message_carries_its_commit_time_as_sent_at_also_when_resent,
+            Needs::AnyBroker,
+        ),
+        (
+            "a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on",
+            a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on,
+            Needs::Mosquitto,
+        ),
+    ])
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use edge_inbox::{Config, Delivery, IdHash, Inbox, Outcome, Pruning, RetentionPolicy, Synchronous};
+use edge_inbox::{Config, Delivery, Inbox, Outcome, Pruning, RetentionPolicy, Synchronous};
 
 #[test]
 fn consumer_commits_while_pruning_runs() {
@@ -35,14 +35,22 @@ fn consumer_commits_while_pruning_runs() {
                  VALUES (?1, ?2, ?3, 'orders', zeroblob(200), 1, 0, 0)",
             )
             .unwrap();
+        // Committed on a day long past, in a database as old (retention re-dates, never prunes, a commit day
+        // before the database existed).
+        let day = edge_inbox::EARLIEST_PLAUSIBLE_TIME / 86_400;
+        conn.execute(
+            "UPDATE inbox_meta SET value = ?1 WHERE name = 'created_at'",
+            [edge_inbox::EARLIEST_PLAUSIBLE_TIME],
+        )
+        .unwrap();
         let mut ident = conn
-            .prepare("INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, 0, 0)")
+            .prepare("INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, 0, ?3)")
             .unwrap();
         for i in 0..n {
             let id = format!("old-{i}");
-            let h = IdHash::of(None, &id);
+            let h = setup.id_hash(None, &id);
             stmt.execute((scope_id, &h.0[..], &id)).unwrap();
-            ident.execute((scope_id, &h.0[..])).unwrap();
+            ident.execute((scope_id, &h.0[..], day)).unwrap();
         }
         drop((stmt, ident));
         conn.execute_batch("COMMIT").unwrap();

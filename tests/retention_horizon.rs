@@ -5,7 +5,7 @@ use std::cell::Cell;
 use std::time::Duration;
 
 use edge_inbox::{
-    Config, Delivery, ExpiredPolicy, IdHash, Inbox, Outcome, Pruning, RetentionPolicy, Status,
+    Config, Delivery, ExpiredPolicy, Inbox, Outcome, Pruning, RetentionPolicy, Status,
 };
 use rusqlite::Connection;
 
@@ -22,24 +22,33 @@ fn count(conn: &Connection, sql: &str) -> i64 {
     conn.query_row(sql, [], |r| r.get(0)).unwrap()
 }
 
-/// Moves the stored commit day of an identity into the past (as if it had been committed `days` ago).
-fn backdate(conn: &Connection, scope_id: i64, id: &str, days: i64) {
+/// Moves the stored commit day of an identity into the past (as if it had been committed `days` ago), and the
+/// database's creation before it (retention distrusts a commit day before the database existed).
+fn backdate(inbox: &Inbox, scope_id: i64, id: &str, days: i64) {
+    let conn = inbox.connection();
     let n = conn
         .execute(
             "UPDATE identities SET day = day - ?3 WHERE scope_id = ?1 AND id_hash = ?2",
-            (scope_id, &IdHash::of(None, id).0[..], days),
+            (scope_id, &inbox.id_hash(None, id).0[..], days),
         )
         .unwrap();
     assert_eq!(n, 1);
-}
-
-fn insert_message(conn: &Connection, scope_id: i64, id: &str, state: i64) {
     conn.execute(
-        "INSERT INTO messages (scope_id, id_hash, message_id, topic, payload, state, received_at) \
-         VALUES (?1, ?2, ?3, 't', x'00', ?4, 0)",
-        (scope_id, &IdHash::of(None, id).0[..], id, state),
+        "UPDATE inbox_meta SET value = ?1 WHERE name = 'created_at'",
+        [edge_inbox::EARLIEST_PLAUSIBLE_TIME],
     )
     .unwrap();
+}
+
+fn insert_message(inbox: &Inbox, scope_id: i64, id: &str, state: i64) {
+    inbox
+        .connection()
+        .execute(
+            "INSERT INTO messages (scope_id, id_hash, message_id, topic, payload, state, received_at) \
+             VALUES (?1, ?2, ?3, 't', x'00', ?4, 0)",
+            (scope_id, &inbox.id_hash(None, id).0[..], id, state),
+        )
+        .unwrap();
 }
 
 fn run_policy(policy: ExpiredPolicy) {
@@ -74,13 +83,12 @@ fn run_policy(policy: ExpiredPolicy) {
         ));
     }
     {
-        let conn = inbox.connection();
         for id in ["old", "pending", "failed"] {
-            backdate(conn, scope_id, id, 30);
+            backdate(&inbox, scope_id, id, 30);
         }
-        backdate(conn, scope_id, "recent", 2);
-        insert_message(conn, scope_id, "pending", 0);
-        insert_message(conn, scope_id, "failed", 2);
+        backdate(&inbox, scope_id, "recent", 2);
+        insert_message(&inbox, scope_id, "pending", 0);
+        insert_message(&inbox, scope_id, "failed", 2);
     }
     assert_eq!(inbox.pruned_before(scope).unwrap(), None);
 
@@ -246,7 +254,7 @@ fn horizon_seen_by_another_connection() {
         Outcome::Processed
     ));
     let scope_id = consumer.scope_id(scope).unwrap();
-    backdate(consumer.connection(), scope_id, "old", 30);
+    backdate(&consumer, scope_id, "old", 30);
 
     pruner
         .set_retention(

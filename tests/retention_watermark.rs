@@ -84,7 +84,8 @@ proptest! {
                 .iter()
                 .zip(&ids[at..at + n])
                 .map(|((p, s, fail), id)| {
-                    // The refusal travels in the payload (watermark scopes keep no fingerprint, so it is free).
+                    // The refusal travels in the payload: a refused repeat of a processed sequence is then other
+                    // content under the same id, which the window of recent sequences reports as a conflict.
                     let payload: &[u8] = if *fail { b"refuse" } else { b"ok" };
                     Delivery::new(scope, id, "t", payload).with_producer(PRODUCERS[*p]).with_sequence(*s)
                 })
@@ -110,7 +111,8 @@ proptest! {
                         done.insert((*p, *s));
                         expected_new.push((*p, *s));
                     }
-                    Outcome::Duplicate => prop_assert!(!new, "{p}/{s} new but reported duplicate"),
+                    Outcome::Duplicate => prop_assert!(!new && !fail, "{p}/{s} new but reported duplicate"),
+                    Outcome::Conflict { .. } => prop_assert!(!new && *fail, "{p}/{s} conflict"),
                     Outcome::HandlerFailed(_) => prop_assert!(new && *fail),
                     other => prop_assert!(false, "unexpected {other:?}"),
                 }

@@ -138,34 +138,38 @@ enum Format {
 
 fn main() -> ExitCode {
     let cli = Cli::parse(); // exits with 2 on a usage error
-    env_logger_free_init();
+    init_logging();
     match run(&cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("inboxctl: {e:#}");
+            eprintln!("inboxctl: {}", cause_chain(&e));
             ExitCode::from(1)
         }
     }
 }
 
-/// Library warnings go to stderr without pulling in a logger crate.
-fn env_logger_free_init() {
-    struct Stderr;
-    impl log::Log for Stderr {
-        fn enabled(&self, m: &log::Metadata<'_>) -> bool {
-            m.level() <= log::Level::Warn
+/// Each cause once: some errors already print their source in their own message, so a link that the
+/// previous one ends with is not repeated.
+fn cause_chain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.ends_with(&text) {
+            continue;
         }
-        fn log(&self, r: &log::Record<'_>) {
-            if self.enabled(r.metadata()) {
-                eprintln!("{}: {}", r.level(), r.args());
-            }
+        if !out.is_empty() {
+            out.push_str(": ");
         }
-        fn flush(&self) {}
+        out.push_str(&text);
     }
-    static LOGGER: Stderr = Stderr;
-    if log::set_logger(&LOGGER).is_ok() {
-        log::set_max_level(log::LevelFilter::Warn);
-    }
+    out
+}
+
+/// Library log records go to stderr; `RUST_LOG` selects them, warnings and errors by default.
+fn init_logging() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .format_timestamp(None)
+        .init();
 }
 
 fn db(cli: &Cli) -> anyhow::Result<&Path> {
@@ -327,6 +331,10 @@ fn stats(cli: &Cli, path: &Path, scope: Option<&str>) -> anyhow::Result<ExitCode
             s.messages_stored,
             s.identities_pruned,
             s.payloads_pruned
+        );
+        println!(
+            "  sequence conflicts {}  identities without send time {} (never pruned)  re-dated {}",
+            s.sequence_conflicts, s.identities_undated, s.identities_restamped
         );
     }
     if doc.scopes.is_empty() {
@@ -558,6 +566,12 @@ fn check(cli: &Cli, path: &Path, max_problems: usize) -> anyhow::Result<ExitCode
         println!(
             "page size {}; {} pages, {} free; database {} bytes, WAL {} bytes",
             r.page_size, r.page_count, r.freelist_count, doc.files.db_bytes, doc.files.wal_bytes
+        );
+        println!(
+            "identity key {}; clock {}; identities with a commit day before the database existed {}",
+            r.id_key,
+            r.clock_warning.as_deref().map_or("plausible".into(), |w| format!("WARNING: {w}")),
+            r.identities_implausible_day
         );
     }
     Ok(if r.ok {

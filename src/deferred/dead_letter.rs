@@ -79,7 +79,7 @@ impl Inbox {
             )?
             .execute((
                 scope_id,
-                &d.id_hash().0[..],
+                &d.id_hash(&self.conn.id_key).0[..],
                 d.producer,
                 d.message_id,
                 d.topic,

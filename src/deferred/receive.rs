@@ -1,8 +1,6 @@
 //! Received-then-deferred mode, receive side: store the delivery as a pending message and commit, so it may be
 //! acked before its effect is applied. Workers ([`crate::Worker`]) apply it later.
 
-use rusqlite::Connection;
-
 use crate::inbox::{claim_identity, Inbox};
 use crate::store::error::{is_unique_violation, Error, InvalidDelivery, Result};
 use crate::store::identity::Delivery;
@@ -168,13 +166,13 @@ impl Inbox {
 
 /// Inserts the pending row of a delivery whose identity was just claimed (same transaction).
 fn store_pending(
-    conn: &Connection,
+    conn: &crate::store::db::Db,
     d: &Delivery<'_>,
     scope_id: i64,
     order_key: Option<&str>,
     now: i64,
 ) -> Result<Outcome> {
-    let id_hash = d.id_hash();
+    let id_hash = d.id_hash(&conn.id_key);
     let mut insert = conn.prepare_cached(
         "INSERT INTO messages (scope_id, id_hash, producer, message_id, topic, payload, sequence, sent_at, \
          order_key, state, received_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, 0, ?10)",

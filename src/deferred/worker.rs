@@ -674,7 +674,7 @@ fn apply_claims<H: Handler>(
             scope_id,
             &c.id_hash.0[..],
             Fingerprint::of(&c.topic, &c.payload).to_sql(),
-            crate::inbox::identity_day(now),
+            crate::inbox::stored_day(now, c.sent_at.is_some()),
         ))?;
 
         let err = match run_handler(conn, &d, scope_id, now, handler, buf, &failure)? {

@@ -46,6 +46,13 @@ pub struct ScopeReport {
     pub payloads_pruned: u64,
     /// Deliveries older than the pruned identity horizon without an identity (durable counter).
     pub expired: u64,
+    /// Numbered deliveries whose sequence another message id had claimed (a restarted or duplicated producer),
+    /// or that could no longer be compared; quarantined (durable counter).
+    pub sequence_conflicts: u64,
+    /// Identities re-dated because their commit day could not be right (durable counter).
+    pub identities_restamped: u64,
+    /// Retained identities of deliveries without a send time: the identity horizon never prunes them.
+    pub identities_undated: u64,
     /// Stored messages waiting to be processed (state pending, including those in flight).
     pub pending: u64,
     /// Stored messages whose last attempt failed, waiting for a retry.
@@ -240,6 +247,15 @@ pub struct CheckReport {
     pub page_count: i64,
     /// Free pages (reclaimed by pruning's incremental vacuum).
     pub freelist_count: i64,
+    /// How identities are hashed: `keyed` (a random key per database, created with its schema) or `none`
+    /// (a file created before schema version 2 keeps its unkeyed hashes).
+    pub id_key: &'static str,
+    /// Why retention would refuse to act on this machine's clock now (it reads a time before the database
+    /// was created, or too far after the latest time retention accepted); `None` when the clock can be right.
+    pub clock_warning: Option<String>,
+    /// Identities whose stored commit day is before the database could exist (a clock that was wrong when they
+    /// were committed); the next retention pass re-dates them instead of pruning them.
+    pub identities_implausible_day: u64,
 }
 
 /// Which table [`export`] reads.
@@ -340,13 +356,14 @@ fn snapshot<T, E: From<Error>>(
 pub fn stats(conn: &Connection, scope: Option<&str>) -> Result<Vec<ScopeReport>> {
     let now_ms = unix_now_ms();
     snapshot(conn, || {
-        let mut stmt = conn.prepare_cached(
+        let v2 = crate::inspect::stats::v2_columns(conn)?;
+        let mut stmt = conn.prepare_cached(&format!(
             "SELECT s.id, s.name, coalesce(st.processed, 0), coalesce(st.duplicates, 0), coalesce(st.conflicts, 0), \
              coalesce(st.handler_failures, 0), coalesce(st.quarantined, 0), coalesce(st.dead_lettered, 0), \
-             coalesce(st.identities_pruned, 0), coalesce(st.payloads_pruned, 0), coalesce(st.expired, 0) \
+             coalesce(st.identities_pruned, 0), coalesce(st.payloads_pruned, 0), coalesce(st.expired, 0), {v2} \
              FROM scopes s LEFT JOIN scope_stats st ON st.scope_id = s.id \
              WHERE ?1 IS NULL OR s.name = ?1 ORDER BY s.name",
-        )?;
+        ))?;
         let rows = stmt
             .query_map([scope], |r| {
                 Ok((
@@ -362,6 +379,8 @@ pub fn stats(conn: &Connection, scope: Option<&str>) -> Result<Vec<ScopeReport>>
                         identities_pruned: u(r.get(8)?),
                         payloads_pruned: u(r.get(9)?),
                         expired: u(r.get(10)?),
+                        sequence_conflicts: u(r.get(11)?),
+                        identities_restamped: u(r.get(12)?),
                         ..ScopeReport::default()
                     },
                 ))
@@ -397,6 +416,8 @@ pub fn stats(conn: &Connection, scope: Option<&str>) -> Result<Vec<ScopeReport>>
             rep.dead_letters =
                 count("SELECT count(*) FROM messages WHERE scope_id = ?1 AND state = 3")?;
             rep.identities_retained = count("SELECT count(*) FROM identities WHERE scope_id = ?1")?;
+            rep.identities_undated =
+                count("SELECT count(*) FROM identities WHERE scope_id = ?1 AND day < 0")?;
             rep.watermark_producers = count("SELECT count(*) FROM watermarks WHERE scope_id = ?1")?;
             rep.messages_stored = count("SELECT count(*) FROM messages WHERE scope_id = ?1")?;
             out.push(rep);
@@ -449,7 +470,7 @@ pub fn identity(
     producer: Option<&str>,
     message_id: &str,
 ) -> Result<IdentityReport> {
-    let id_hash = IdHash::of(producer, message_id);
+    let id_hash = IdHash::keyed(&crate::store::schema::id_key(conn)?, producer, message_id);
     snapshot(conn, || {
         let st = status(conn, scope, producer, message_id)?;
         let message = conn
@@ -573,6 +594,8 @@ pub fn prune_preview(conn: &Connection, now: i64) -> Result<Vec<PrunePreview>> {
                 ))
             })?
             .collect::<rusqlite::Result<Vec<_>>>()?;
+        // Identities with a commit day before the database existed are re-dated, not pruned (nor undated ones).
+        let floor_day = crate::retention::clock_floor(conn)?.div_euclid(DAY);
         // A message is due when its state's age is set and it finished longer ago than that.
         const DUE: &str = "(m.state = 1 AND ?2 IS NOT NULL AND coalesce(m.finished_at, m.received_at) <= ?4 - ?2) \
              OR (m.state = 3 AND ?3 IS NOT NULL AND coalesce(m.finished_at, m.received_at) <= ?4 - ?3)";
@@ -590,12 +613,19 @@ pub fn prune_preview(conn: &Connection, now: i64) -> Result<Vec<PrunePreview>> {
                 None => 0,
                 Some(h) => conn
                     .prepare_cached(&format!(
-                        "SELECT count(*) FROM identities i WHERE i.scope_id = ?1 AND i.day < ?5 AND NOT EXISTS ( \
+                        "SELECT count(*) FROM identities i WHERE i.scope_id = ?1 AND i.day >= ?6 AND i.day < ?5 AND NOT EXISTS ( \
                            SELECT 1 FROM messages m WHERE m.scope_id = ?1 AND m.id_hash = i.id_hash \
                            AND NOT ({DUE}))"
                     ))?
                     .query_row(
-                        (id, processed_age, dead_age, now, now.saturating_sub(h).div_euclid(DAY)),
+                        (
+                            id,
+                            processed_age,
+                            dead_age,
+                            now,
+                            now.saturating_sub(h).div_euclid(DAY),
+                            floor_day,
+                        ),
                         |r| r.get(0),
                     )?,
             };
@@ -637,6 +667,19 @@ pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
         _ => "unknown",
     };
     let ok = problems.is_empty() && (1..=SCHEMA_VERSION).contains(&schema_version);
+    let now = crate::store::txn::unix_now();
+    let clock_warning =
+        crate::retention::clock_verdict(conn, now, crate::retention::Pruning::default().jump())?
+            .warning(now);
+    let floor_day = crate::retention::clock_floor(conn)?.div_euclid(DAY);
+    let identities_implausible_day: i64 = conn.query_row(
+        "SELECT count(*) FROM identities WHERE (CASE WHEN day < 0 THEN -1 - day ELSE day END) < ?1",
+        [floor_day],
+        |r| r.get(0),
+    )?;
+    if let Some(w) = &clock_warning {
+        log::warn!("{w}");
+    }
     Ok(CheckReport {
         ok,
         problems,
@@ -648,6 +691,9 @@ pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
         page_size: pragma_i64("page_size")?,
         page_count: pragma_i64("page_count")?,
         freelist_count: pragma_i64("freelist_count")?,
+        id_key: crate::store::schema::id_key(conn)?.kind(),
+        clock_warning,
+        identities_implausible_day: u(identities_implausible_day),
     })
 }
 
@@ -723,7 +769,7 @@ fn export_rows<E>(
                         scope: r.get(0)?,
                         id_hash: hex(&r.get::<_, Vec<u8>>(1)?),
                         fingerprint: Fingerprint::from_sql(r.get(2)?).to_string(),
-                        day: r.get(3)?,
+                        day: crate::inbox::commit_day(r.get(3)?),
                     })?;
                 }
             }

@@ -29,6 +29,12 @@ pub struct ScopeStats {
     /// Deliveries without a found identity that were sent before the pruned identity horizon (whatever the
     /// scope's expired policy did with them).
     pub expired: u64,
+    /// Numbered deliveries (sequence watermarks) whose sequence was claimed by another message id, or could no
+    /// longer be compared: quarantined, never taken for duplicates.
+    pub sequence_conflicts: u64,
+    /// Identities whose commit day could not be right (before the database existed) and that retention
+    /// re-dated to the day it first saw a plausible clock.
+    pub identities_restamped: u64,
 }
 
 impl Inbox {
@@ -41,11 +47,12 @@ impl Inbox {
 /// Reads the counters of `scope` from any connection (read-only tools use it too).
 pub(crate) fn scope_stats(conn: &Connection, scope: &str) -> Result<ScopeStats> {
     let row = conn
-        .prepare_cached(
+        .prepare_cached(&format!(
             "SELECT processed, duplicates, conflicts, handler_failures, quarantined, dead_lettered, \
-             identities_pruned, payloads_pruned, expired FROM scope_stats st JOIN scopes s ON s.id = st.scope_id \
+             identities_pruned, payloads_pruned, expired, {} FROM scope_stats st JOIN scopes s ON s.id = st.scope_id \
              WHERE s.name = ?1",
-        )?
+            v2_columns(conn)?
+        ))?
         .query_row([scope], |r| {
             Ok(ScopeStats {
                 processed: r.get::<_, i64>(0)? as u64,
@@ -57,8 +64,19 @@ pub(crate) fn scope_stats(conn: &Connection, scope: &str) -> Result<ScopeStats> 
                 identities_pruned: r.get::<_, i64>(6)? as u64,
                 payloads_pruned: r.get::<_, i64>(7)? as u64,
                 expired: r.get::<_, i64>(8)? as u64,
+                sequence_conflicts: r.get::<_, i64>(9)? as u64,
+                identities_restamped: r.get::<_, i64>(10)? as u64,
             })
         })
         .optional()?;
     Ok(row.unwrap_or_default())
+}
+
+/// The counters added by schema version 2, or zeros for a file of version 1 opened read-only.
+pub(crate) fn v2_columns(conn: &Connection) -> Result<&'static str> {
+    Ok(if crate::store::schema::version(conn)? >= 2 {
+        "sequence_conflicts, identities_restamped"
+    } else {
+        "0, 0"
+    })
 }

@@ -96,15 +96,34 @@ impl<F: Fn(&Incoming) -> Result<Identity, InvalidDelivery> + Send> ExtractIdenti
     }
 }
 
-/// Identity from MQTT 5 user properties: the message id in `message-id` and the optional producer namespace
-/// in `producer` (names configurable). The payload is the body.
+/// Identity from MQTT 5 user properties: the message id in `message-id`, the optional producer namespace
+/// in `producer` and the optional send time in `sent-at` (names configurable). The payload is the body.
+///
+/// `sent-at` is when the producer created the message, as Unix seconds in decimal (`1767225600`, what the
+/// outbox relay stamps) or as an RFC 3339 time (`2026-01-01T00:00:00Z`, `2026-01-01T01:00:00.5+01:00`;
+/// fractions of a second are dropped). It feeds [`Delivery::sent_at`](crate::Delivery::sent_at), which lets
+/// a scope with an identity horizon recognise a repetition older than what it pruned. A value that is
+/// neither is bad input ([`InvalidDelivery::MalformedProperty`]): the publish is quarantined, not taken as
+/// undated.
+///
+/// ```
+/// use edge_inbox::{ExtractIdentity, Incoming, UserProperty};
+/// let msg = Incoming::new("orders/42", b"{}".to_vec())
+///     .with_user_property("message-id", "evt-42-created")
+///     .with_user_property("sent-at", "2026-01-01T00:00:00Z");
+/// let id = UserProperty::default().extract(&msg).unwrap();
+/// assert_eq!(id.sent_at, Some(1_767_225_600));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct UserProperty {
     /// Name of the property holding the message id. Default `message-id`.
     pub id: String,
     /// Name of the property holding the producer namespace, or `None` to ignore producers.
     /// Default `producer`.
     pub producer: Option<String>,
+    /// Name of the property holding the send time, or `None` to ignore it. Default `sent-at`.
+    pub sent_at: Option<String>,
 }
 
 impl Default for UserProperty {
@@ -112,8 +131,122 @@ impl Default for UserProperty {
         UserProperty {
             id: "message-id".into(),
             producer: Some("producer".into()),
+            sent_at: Some(SENT_AT.into()),
         }
     }
+}
+
+/// The user property that carries a message's send time: `sent-at`.
+pub const SENT_AT: &str = "sent-at";
+
+impl UserProperty {
+    /// The default names with the message id in property `id` and the producer in `producer`.
+    pub fn new(id: impl Into<String>, producer: Option<String>) -> UserProperty {
+        UserProperty {
+            id: id.into(),
+            producer,
+            ..UserProperty::default()
+        }
+    }
+
+    /// The same extractor reading the send time from property `name` (`None`: ignore send times).
+    pub fn with_sent_at(mut self, name: Option<String>) -> UserProperty {
+        self.sent_at = name;
+        self
+    }
+}
+
+/// Parses a send time: Unix seconds in decimal, or an RFC 3339 date-time; `Err` says why not.
+pub fn parse_sent_at(value: &str) -> Result<i64, String> {
+    let v = value.trim();
+    if !v.is_empty()
+        && v.bytes()
+            .enumerate()
+            .all(|(i, b)| b.is_ascii_digit() || (i == 0 && b == b'-'))
+    {
+        return v
+            .parse::<i64>()
+            .map_err(|_| format!("{value:?} is out of range for Unix seconds"));
+    }
+    rfc3339(v).ok_or_else(|| format!("{value:?} is neither Unix seconds nor an RFC 3339 time"))
+}
+
+/// `YYYY-MM-DDTHH:MM:SS[.frac](Z|+HH:MM|-HH:MM)`, to Unix seconds.
+fn rfc3339(s: &str) -> Option<i64> {
+    let b = s.as_bytes();
+    let num = |r: std::ops::Range<usize>| -> Option<i64> {
+        let part = b.get(r)?;
+        part.iter().all(u8::is_ascii_digit).then_some(())?;
+        std::str::from_utf8(part).ok()?.parse().ok()
+    };
+    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || !matches!(b[10], b'T' | b't' | b' ') {
+        return None;
+    }
+    if b[13] != b':' || b[16] != b':' {
+        return None;
+    }
+    let (year, month, day) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (hour, minute, second) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    let mut i = 19;
+    if b[i] == b'.' {
+        i += 1;
+        let start = i;
+        while i < b.len() && b[i].is_ascii_digit() {
+            i += 1;
+        }
+        if i == start {
+            return None;
+        }
+    }
+    let offset = match b.get(i)? {
+        b'Z' | b'z' if i + 1 == b.len() => 0,
+        sign @ (b'+' | b'-') if i + 6 == b.len() && b[i + 3] == b':' => {
+            let (h, m) = (num(i + 1..i + 3)?, num(i + 4..i + 6)?);
+            if h > 23 || m > 59 {
+                return None;
+            }
+            let o = h * 3600 + m * 60;
+            if *sign == b'+' {
+                o
+            } else {
+                -o
+            }
+        }
+        _ => return None,
+    };
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let days_in = [
+        31,
+        if leap { 29 } else { 28 },
+        31,
+        30,
+        31,
+        30,
+        31,
+        31,
+        30,
+        31,
+        30,
+        31,
+    ];
+    if !(1..=12).contains(&month) || day < 1 || day > days_in[(month - 1) as usize] {
+        return None;
+    }
+    if hour > 23 || minute > 59 || second > 60 {
+        return None;
+    }
+    Some(days_from_civil(year, month, day) * 86_400 + hour * 3600 + minute * 60 + second - offset)
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
 }
 
 impl ExtractIdentity for UserProperty {
@@ -122,9 +255,25 @@ impl ExtractIdentity for UserProperty {
             .user_property(&self.id)
             .ok_or(InvalidDelivery::MissingId)?;
         let producer = self.producer.as_deref().and_then(|p| msg.user_property(p));
+        let sent_at = match self
+            .sent_at
+            .as_deref()
+            .and_then(|name| msg.user_property(name).map(|v| (name, v)))
+        {
+            None => None,
+            Some((name, v)) => {
+                Some(
+                    parse_sent_at(v).map_err(|why| InvalidDelivery::MalformedProperty {
+                        name: name.to_owned(),
+                        why,
+                    })?,
+                )
+            }
+        };
         Ok(Identity {
             message_id: id.to_owned(),
             producer: producer.map(str::to_owned),
+            sent_at,
             ..Identity::default()
         })
     }
@@ -313,13 +462,45 @@ mod tests {
             UserProperty::default().extract(&msg),
             Err(InvalidDelivery::MissingId)
         );
-        let ex = UserProperty {
-            id: "msg".into(),
-            producer: Some("src".into()),
-        };
+        let ex = UserProperty::new("msg", Some("src".into()));
         assert_eq!(
             ex.extract(&msg).unwrap(),
             Identity::new("42").with_producer("s1")
         );
+    }
+
+    #[test]
+    fn sent_at_is_read_as_unix_seconds_or_rfc_3339() {
+        assert_eq!(parse_sent_at("1767225600"), Ok(1_767_225_600));
+        assert_eq!(parse_sent_at("2026-01-01T00:00:00Z"), Ok(1_767_225_600));
+        assert_eq!(
+            parse_sent_at("2026-01-01T01:00:00.25+01:00"),
+            Ok(1_767_225_600)
+        );
+        assert_eq!(
+            parse_sent_at("2025-12-31T19:00:00-05:00"),
+            Ok(1_767_225_600)
+        );
+        assert_eq!(parse_sent_at("1970-01-01T00:00:00Z"), Ok(0));
+        assert_eq!(parse_sent_at("2024-02-29T12:00:00Z"), Ok(1_709_208_000));
+        for bad in [
+            "",
+            "soon",
+            "2026-02-30T00:00:00Z",
+            "2026-01-01T00:00:00",
+            "2026-01-01T24:00:00Z",
+            "1e9",
+        ] {
+            assert!(parse_sent_at(bad).is_err(), "{bad:?}");
+        }
+        let msg = Incoming::new("t", b"x".to_vec())
+            .with_user_property("message-id", "m")
+            .with_user_property("sent-at", "yesterday");
+        assert!(matches!(
+            UserProperty::default().extract(&msg),
+            Err(InvalidDelivery::MalformedProperty { .. })
+        ));
+        let ignoring = UserProperty::default().with_sent_at(None);
+        assert_eq!(ignoring.extract(&msg).unwrap().sent_at, None);
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! Identities are the evidence that protects against a repeated effect; payloads are only cost. A
 //! [`RetentionPolicy`] is stored per scope in the database (every connection and process sharing the file applies
-//! the same rules) and [`Inbox::prune_step`] applies all of them in small bounded transactions.
+//! the same rules) and [`Inbox::prune_step`](crate::Inbox::prune_step) applies all of them in small bounded transactions.
 //!
 //! [`Inbox::prune_step`]: crate::Inbox::prune_step
 
@@ -13,17 +13,17 @@ use rusqlite::Connection;
 
 use crate::store::db::Db;
 use crate::store::error::Result;
-use crate::store::identity::Delivery;
+use crate::store::identity::{Delivery, IdHash};
 use crate::store::outcome::Outcome;
 
 mod prune;
 pub(crate) mod watermark;
 
+const DAY: i64 = 86_400;
+
 /// What to do with a delivery that was sent before the scope's identity horizon (older than
-/// [`Inbox::pruned_before`]) and whose identity is not found: it may be new, or a repetition whose identity was
+/// [`Inbox::pruned_before`](crate::Inbox::pruned_before)) and whose identity is not found: it may be new, or a repetition whose identity was
 /// pruned, and the inbox can no longer tell which.
-///
-/// [`Inbox::pruned_before`]: crate::Inbox::pruned_before
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum ExpiredPolicy {
@@ -150,8 +150,10 @@ impl RetentionPolicy {
     /// deduplication is exact for ever. Sequences that arrive out of order are kept individually until the gap
     /// closes (a permanent gap keeps them individually for good: still exact, only larger).
     ///
-    /// Trade-off: no fingerprint is kept per sequence, so a sequence reused with different content is reported
-    /// as [`Outcome::Duplicate`], not as a conflict. Deliveries without a producer or sequence, or with a
+    /// A repeated sequence is compared with the identity that claimed it, kept for the last
+    /// [`SEQUENCE_WINDOW`](crate::SEQUENCE_WINDOW) sequences of each producer: the same message is a duplicate,
+    /// the same id with other content a conflict, another id (a restarted counter) or a sequence below the window
+    /// an [`Outcome::SequenceConflict`], quarantined. Deliveries without a producer or sequence, or with a
     /// sequence below `first` (or above `i64::MAX`), use identity rows as usual.
     ///
     /// Can only be chosen (or changed) while the scope has recorded nothing; to switch an existing consumer,
@@ -202,6 +204,8 @@ pub struct Pruning {
     idle: u32,
     as_of: Option<i64>,
     truncate_wal: bool,
+    max_clock_jump: Duration,
+    trust_clock: bool,
 }
 
 impl Default for Pruning {
@@ -213,8 +217,80 @@ impl Default for Pruning {
             idle: 9,
             as_of: None,
             truncate_wal: true,
+            max_clock_jump: Duration::from_secs(30 * DAY as u64),
+            trust_clock: false,
         }
     }
+}
+
+/// The earliest clock reading retention accepts: 2025-01-01T00:00:00Z, before this version of the inbox
+/// existed. A gateway without a real-time clock that boots at 1970 reads less than this.
+pub const EARLIEST_PLAUSIBLE_TIME: i64 = 1_735_689_600;
+
+/// What retention made of the clock; see [`clock_verdict`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClockVerdict {
+    /// The time can be right: retention acts on it.
+    Plausible,
+    /// The time is before `floor`: before [`EARLIEST_PLAUSIBLE_TIME`] or before the database was created.
+    BeforeFloor {
+        /// The earliest plausible time for this database.
+        floor: i64,
+    },
+    /// The time is further ahead of the latest time retention accepted before (`seen`) than
+    /// [`Pruning::max_clock_jump`] allows.
+    TooFarAhead {
+        /// The latest clock reading accepted before.
+        seen: i64,
+    },
+}
+
+impl ClockVerdict {
+    /// True for [`ClockVerdict::Plausible`].
+    pub fn is_plausible(&self) -> bool {
+        matches!(self, ClockVerdict::Plausible)
+    }
+
+    /// Why retention refuses to act, in words (`None` when plausible).
+    pub fn warning(&self, now: i64) -> Option<String> {
+        match *self {
+            ClockVerdict::Plausible => None,
+            ClockVerdict::BeforeFloor { floor } => Some(format!(
+                "the clock reads {now} (Unix seconds), before {floor}, when this database was created or before \
+                 this software existed: it cannot be right; retention prunes nothing until it is"
+            )),
+            ClockVerdict::TooFarAhead { seen } => Some(format!(
+                "the clock reads {now} (Unix seconds), {} days after the latest time retention accepted ({seen}): \
+                 retention prunes nothing until the time is confirmed (Pruning::trust_clock)",
+                (now - seen).div_euclid(DAY)
+            )),
+        }
+    }
+}
+
+/// The earliest plausible time for the database on `conn`: [`EARLIEST_PLAUSIBLE_TIME`], or the database's
+/// creation time when that is later (and was itself plausible).
+pub fn clock_floor(conn: &Connection) -> Result<i64> {
+    let created = crate::store::schema::meta_i64(conn, "created_at")?;
+    Ok(created
+        .filter(|c| *c > EARLIEST_PLAUSIBLE_TIME)
+        .unwrap_or(EARLIEST_PLAUSIBLE_TIME))
+}
+
+/// Whether retention may act on the time `now` in the database on `conn`: not before [`clock_floor`], and not
+/// more than `max_jump` after the latest time an earlier pass accepted.
+pub fn clock_verdict(conn: &Connection, now: i64, max_jump: Duration) -> Result<ClockVerdict> {
+    let floor = clock_floor(conn)?;
+    if now < floor {
+        return Ok(ClockVerdict::BeforeFloor { floor });
+    }
+    if let Some(seen) = crate::store::schema::meta_i64(conn, "clock_seen")? {
+        if now.saturating_sub(seen) > max_jump.as_secs().min(i64::MAX as u64) as i64 {
+            return Ok(ClockVerdict::TooFarAhead { seen });
+        }
+    }
+    Ok(ClockVerdict::Plausible)
 }
 
 impl Pruning {
@@ -230,21 +306,17 @@ impl Pruning {
         self
     }
 
-    /// Pause between steps in [`Inbox::prune`] (default 10 ms), leaving the write lock to consumers.
-    ///
-    /// [`Inbox::prune`]: crate::Inbox::prune
+    /// Pause between steps in [`Inbox::prune`](crate::Inbox::prune) (default 10 ms), leaving the write lock to consumers.
     pub fn pause(mut self, pause: Duration) -> Self {
         self.pause = pause;
         self
     }
 
-    /// In [`Inbox::prune`], rest at least `factor` times as long as each step took (default 9), so pruning uses
+    /// In [`Inbox::prune`](crate::Inbox::prune), rest at least `factor` times as long as each step took (default 9), so pruning uses
     /// about a tenth of the disk's time and a consumer rarely meets it: its I/O (WAL writes, checkpoints)
     /// competes with the consumer's fsyncs even when it does not hold the write lock. 0 rests only the fixed
     /// pause. Measured by `examples/retention_bench.rs`: with 9, pruning a million stored messages takes about
     /// six minutes beside a consumer committing one delivery at a time.
-    ///
-    /// [`Inbox::prune`]: crate::Inbox::prune
     pub fn idle(mut self, factor: u32) -> Self {
         self.idle = factor;
         self
@@ -261,11 +333,30 @@ impl Pruning {
         self.truncate_wal = truncate;
         self
     }
+
+    /// How far the clock may have moved ahead since the latest time an earlier pass accepted (default 30
+    /// days). A larger jump (a clock set to a far-future time, say) makes the pass prune nothing, with a
+    /// warning, until the time is confirmed with [`Pruning::trust_clock`]. [`Pruning::as_of`] is a time the
+    /// caller states, and is not held to it.
+    pub fn max_clock_jump(mut self, jump: Duration) -> Self {
+        self.max_clock_jump = jump;
+        self
+    }
+
+    /// The allowed jump (crate-internal: `inboxctl check` judges with the default).
+    pub(crate) fn jump(&self) -> Duration {
+        self.max_clock_jump
+    }
+
+    /// Accept the clock even if it jumped further ahead than [`Pruning::max_clock_jump`] (an operator confirmed
+    /// the time). A time before the database was created is never accepted.
+    pub fn trust_clock(mut self, trust: bool) -> Self {
+        self.trust_clock = trust;
+        self
+    }
 }
 
-/// What pruning did: the counts of one step, or summed over [`Inbox::prune`].
-///
-/// [`Inbox::prune`]: crate::Inbox::prune
+/// What pruning did: the counts of one step, or summed over [`Inbox::prune`](crate::Inbox::prune).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PruneReport {
@@ -281,6 +372,12 @@ pub struct PruneReport {
     pub steps: u64,
     /// True when this step finished a pass: everything due was pruned and reclaimed.
     pub done: bool,
+    /// True when the clock could not be right ([`ClockVerdict`]), so this pass pruned no message and no
+    /// identity (it still reclaimed free space).
+    pub clock_refused: bool,
+    /// Identities whose stored commit day was before the database could exist, given the day of this pass
+    /// instead (so they age from a time that can be right, never faster).
+    pub identities_restamped: u64,
 }
 
 impl PruneReport {
@@ -291,6 +388,8 @@ impl PruneReport {
         self.pages_reclaimed += o.pages_reclaimed;
         self.steps += o.steps;
         self.done = o.done;
+        self.clock_refused |= o.clock_refused;
+        self.identities_restamped += o.identities_restamped;
     }
 }
 
@@ -397,6 +496,7 @@ fn load_rules(conn: &Connection) -> Result<HashMap<i64, ScopeRules>> {
 pub(crate) fn check_new_identity(
     conn: &Connection,
     d: &Delivery<'_>,
+    id_hash: &IdHash,
     scope_id: i64,
     now: i64,
     rules: &ScopeRules,
@@ -411,6 +511,7 @@ pub(crate) fn check_new_identity(
     expired(
         conn,
         d,
+        id_hash,
         scope_id,
         now,
         rules.policy.expired,
@@ -420,9 +521,11 @@ pub(crate) fn check_new_identity(
 }
 
 #[cold]
+#[allow(clippy::too_many_arguments)]
 fn expired(
     conn: &Connection,
     d: &Delivery<'_>,
+    id_hash: &IdHash,
     scope_id: i64,
     now: i64,
     policy: ExpiredPolicy,
@@ -443,7 +546,7 @@ fn expired(
     }
     // Undo the claim: the delivery is not applied, so it must not be remembered as processed.
     conn.prepare_cached("DELETE FROM identities WHERE scope_id = ?1 AND id_hash = ?2")?
-        .execute((scope_id, &d.id_hash().0[..]))?;
+        .execute((scope_id, &id_hash.0[..]))?;
     let quarantined = if policy == ExpiredPolicy::Quarantine {
         let reason = format!(
             "message id {:?} (producer {:?}) sent at {sent_at}, before the pruned identity horizon ({pruned_before})",

@@ -7,12 +7,16 @@ use rusqlite::{Connection, OptionalExtension};
 
 use crate::inbox::Inbox;
 use crate::retention::watermark::Watermark;
-use crate::retention::{load_rules, versioned_scope, Phase, PruneReport, Pruning, RetentionPolicy};
+use crate::retention::{
+    clock_floor, clock_verdict, load_rules, versioned_scope, Phase, PruneReport, Pruning,
+    RetentionPolicy,
+};
 use crate::store::db::Db;
 use crate::store::error::{Error, Result};
 use crate::store::txn::{begin, commit, unix_now};
 
-const DAY: i64 = 86_400;
+use super::DAY;
+
 const MAX_BUSY_RETRIES: u32 = 100;
 
 impl Inbox {
@@ -52,9 +56,7 @@ impl Inbox {
 
     /// Every identity of `scope` pruned so far was committed before this time (Unix seconds); `None` while no
     /// identity of the scope was ever pruned. Deliveries sent before it (allowing the clock skew) whose identity
-    /// is not found follow the scope's [`ExpiredPolicy`].
-    ///
-    /// [`ExpiredPolicy`]: crate::ExpiredPolicy
+    /// is not found follow the scope's [`ExpiredPolicy`](crate::ExpiredPolicy).
     pub fn pruned_before(&mut self, scope: &str) -> Result<Option<i64>> {
         let scope_id = self.scope_id(scope)?;
         Ok(self
@@ -136,6 +138,23 @@ impl Inbox {
     }
 
     fn prune_phase(&mut self, opts: &Pruning, now: i64, report: &mut PruneReport) -> Result<()> {
+        if matches!(self.retention.phase, Phase::Messages | Phase::Identities) {
+            // Ages are only judged on a time that can be right (a gateway without a real-time clock boots at
+            // 1970; a bad time source can jump years ahead).
+            let jump = if opts.trust_clock || opts.as_of.is_some() {
+                Duration::MAX
+            } else {
+                opts.max_clock_jump
+            };
+            let verdict = clock_verdict(&self.conn, now, jump)?;
+            if let Some(why) = verdict.warning(now) {
+                log::warn!("retention: {why}");
+                report.clock_refused = true;
+                self.retention.phase = Phase::Vacuum;
+                self.retention.msg_after = 0;
+                return Ok(());
+            }
+        }
         match self.retention.phase {
             Phase::Messages => self.prune_messages(opts, now, report)?,
             Phase::Identities => self.prune_identities(opts, now, report)?,
@@ -240,8 +259,21 @@ impl Inbox {
         scopes.sort_unstable_by_key(|(id, _)| *id);
         let Some(&(scope_id, horizon)) = scopes.first() else {
             self.retention.phase = Phase::Vacuum;
+            if opts.as_of.is_none() {
+                // The clock was judged plausible for this pass: later passes measure jumps from here.
+                self.write_step(|conn| {
+                    conn.prepare_cached(
+                        "INSERT INTO inbox_meta (name, value) VALUES ('clock_seen', ?1) ON CONFLICT (name) \
+                         DO UPDATE SET value = max(coalesce(value, ?1), ?1)",
+                    )?
+                    .execute([now])?;
+                    Ok(())
+                })?;
+            }
             return Ok(());
         };
+        let floor_day = clock_floor(&self.conn)?.div_euclid(DAY);
+        let today = now.div_euclid(DAY);
         if scope_id != self.retention.id_scope {
             self.retention.id_scope = scope_id;
             self.retention.id_after.clear();
@@ -250,18 +282,38 @@ impl Inbox {
         let cutoff_day = (now - horizon.as_secs() as i64).div_euclid(DAY);
         let after = std::mem::take(&mut self.retention.id_after);
         let batch = opts.batch as i64;
-        let (upper, days) = self.write_step(|conn| {
+        let (upper, days, restamped) = self.write_step(|conn| {
             let upper: Option<Vec<u8>> = conn
                 .prepare_cached(
                     "SELECT max(id_hash) FROM (SELECT id_hash FROM identities WHERE scope_id = ?1 AND id_hash > ?2 \
                      ORDER BY id_hash LIMIT ?3)",
                 )?
                 .query_row((scope_id, &after[..], batch), |r| r.get(0))?;
-            let Some(upper) = upper else { return Ok((None, Vec::new())) };
+            let Some(upper) = upper else { return Ok((None, Vec::new(), 0)) };
+            // A commit day before the database could exist was stamped by a clock that was wrong (a gateway
+            // booted at 1970): it says nothing about the identity's age. Give it today instead, so it ages from a
+            // time that can be right and is kept at least a full horizon from now; never pruned on the bad day.
+            let restamped = conn
+                .prepare_cached(
+                    "UPDATE identities SET day = CASE WHEN day < 0 THEN -1 - ?5 ELSE ?5 END \
+                     WHERE scope_id = ?1 AND id_hash > ?2 AND id_hash <= ?3 \
+                     AND (CASE WHEN day < 0 THEN -1 - day ELSE day END) < ?4",
+                )?
+                .execute((scope_id, &after[..], &upper[..], floor_day, today))?;
+            if restamped > 0 {
+                conn.prepare_cached(
+                    "UPDATE scope_stats SET identities_restamped = identities_restamped + ?2 WHERE scope_id = ?1",
+                )?
+                .execute((scope_id, restamped as i64))?;
+                log::warn!(
+                    "scope {scope_id}: {restamped} identities carried a commit day before this database could exist \
+                     (a clock that was wrong when they were committed); they now count from day {today}"
+                );
+            }
             let days = conn
                 .prepare_cached(
                     "DELETE FROM identities AS i WHERE i.scope_id = ?1 AND i.id_hash > ?2 AND i.id_hash <= ?3 \
-                     AND i.day < ?4 AND NOT EXISTS ( \
+                     AND i.day >= 0 AND i.day < ?4 AND NOT EXISTS ( \
                        SELECT 1 FROM messages m WHERE m.scope_id = ?1 AND m.id_hash = i.id_hash) \
                      RETURNING day",
                 )?
@@ -282,8 +334,9 @@ impl Inbox {
                     days.len()
                 );
             }
-            Ok((Some(upper), days))
+            Ok((Some(upper), days, restamped as u64))
         })?;
+        report.identities_restamped += restamped;
         // This connection wrote pruned_before itself: data_version does not see that.
         self.retention.invalidate();
         report.identities_pruned += days.len() as u64;

@@ -57,6 +57,8 @@ pub(crate) struct Db {
     pub(crate) slow_commit: Option<std::time::Duration>,
     /// Shared with the connection's commit and rollback hooks: see [`HandlerGuard`].
     guard: Arc<HandlerGuard>,
+    /// The database's identity key (read when the inbox opens; it never changes).
+    pub(crate) id_key: crate::store::identity::IdKey,
 }
 
 /// What the connection's commit and rollback hooks know about a running handler.
@@ -143,6 +145,7 @@ impl Db {
                 wal_id: Cell::new(None),
                 slow_commit: None,
                 guard,
+                id_key: crate::store::identity::IdKey::UNKEYED,
             }),
             Err(e) => {
                 // SAFETY: no statement borrows the connection any more (`prepare` failed and dropped them).
@@ -184,14 +187,14 @@ impl Db {
         })
     }
 
-    /// Until [`Db::end_relaxed`], transactions started with [`crate::inbox::begin`] commit without their own
+    /// Until [`Db::end_relaxed`], transactions started with [`crate::store::txn::begin`] commit without their own
     /// fsync (`synchronous=NORMAL`): for internal work whose loss on power failure is harmless.
     pub(crate) fn start_relaxed(&self) {
         self.relaxed.set(true);
     }
 
     /// Puts the connection back at the configured level and reads it back. Should that fail, the next
-    /// [`crate::inbox::begin`] tries again before anything is committed.
+    /// [`crate::store::txn::begin`] tries again before anything is committed.
     pub(crate) fn end_relaxed(&self) -> Result<()> {
         self.relaxed.set(false);
         self.prepare_level()

@@ -28,6 +28,13 @@ pub enum InvalidDelivery {
     MissingId,
     /// The payload envelope could not be decoded.
     MalformedEnvelope(String),
+    /// An MQTT 5 user property holds a value that cannot be read (a `sent-at` that is no time, say).
+    MalformedProperty {
+        /// The property's name.
+        name: String,
+        /// What is wrong with its value.
+        why: String,
+    },
 }
 
 impl fmt::Display for InvalidDelivery {
@@ -43,6 +50,9 @@ impl fmt::Display for InvalidDelivery {
             }
             InvalidDelivery::MissingId => f.write_str("delivery carries no application message id"),
             InvalidDelivery::MalformedEnvelope(why) => write!(f, "malformed envelope: {why}"),
+            InvalidDelivery::MalformedProperty { name, why } => {
+                write!(f, "user property {name:?}: {why}")
+            }
         }
     }
 }
@@ -265,3 +275,11 @@ pub(crate) fn is_unique_violation(err: &rusqlite::Error) -> bool {
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The [`Error`] for a storage failure known only by its extended result code.
+pub(crate) fn storage_error(code: i32) -> Error {
+    Error::from(rusqlite::Error::SqliteFailure(
+        rusqlite::ffi::Error::new(code),
+        None,
+    ))
+}

@@ -1,6 +1,6 @@
 //! What a delivery is, how its identity is hashed and how its content is fingerprinted.
 
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3Default};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3, Xxh3Default};
 
 use crate::store::config::Limits;
 use crate::store::error::InvalidDelivery;
@@ -62,9 +62,10 @@ impl<'a> Delivery<'a> {
         self
     }
 
-    /// The stored identity key of this delivery (within its scope).
-    pub fn id_hash(&self) -> IdHash {
-        IdHash::of(self.producer, self.message_id)
+    /// The stored identity key of this delivery (within its scope), under the database's `key`
+    /// ([`Inbox::id_key`](crate::Inbox::id_key)).
+    pub fn id_hash(&self, key: &IdKey) -> IdHash {
+        IdHash::keyed(key, self.producer, self.message_id)
     }
 
     /// The content fingerprint of this delivery.
@@ -104,35 +105,122 @@ fn check_len(field: &'static str, len: usize, max: usize) -> Result<(), InvalidD
     }
 }
 
-/// Fixed-width identity key: xxh3-128 of the producer namespace and the message id.
+/// Length of an identity key: the size of an xxh3 secret.
+pub const ID_KEY_LEN: usize = 192;
+
+/// The per-database key of identity hashes ([`IdHash`]).
+///
+/// A database created by this version gets a random key ([`ID_KEY_LEN`] bytes from the operating system's
+/// random source) with its schema, stored in it; the hash of an identity is xxh3-128 under that secret, so a
+/// producer that chooses its ids cannot compute another message's [`IdHash`] and cannot craft a collision
+/// with it (to have that message dropped as a duplicate or conflict). A database migrated from schema
+/// version 1 keeps [`IdKey::UNKEYED`], the plain xxh3-128 of version 1, so its identity rows stay valid.
+#[derive(Clone, PartialEq, Eq)]
+pub struct IdKey(Option<Box<[u8; ID_KEY_LEN]>>);
+
+impl IdKey {
+    /// No key: the plain xxh3-128 of databases created before schema version 2.
+    pub const UNKEYED: IdKey = IdKey(None);
+
+    pub(crate) fn from_secret(secret: [u8; ID_KEY_LEN]) -> IdKey {
+        IdKey(Some(Box::new(secret)))
+    }
+
+    /// A key from `bytes` as stored in the database (`None`, or of the wrong length: unkeyed).
+    pub(crate) fn from_stored(bytes: Option<&[u8]>) -> IdKey {
+        match bytes.and_then(|b| <[u8; ID_KEY_LEN]>::try_from(b).ok()) {
+            Some(secret) => IdKey::from_secret(secret),
+            None => IdKey::UNKEYED,
+        }
+    }
+
+    /// A new random key from the operating system (which waits until its random source is seeded, as on a
+    /// gateway that has just booted).
+    pub(crate) fn generate() -> std::io::Result<IdKey> {
+        let mut secret = [0u8; ID_KEY_LEN];
+        getrandom::getrandom(&mut secret).map_err(std::io::Error::other)?;
+        Ok(IdKey::from_secret(secret))
+    }
+
+    /// True for a database whose identities are hashed under a secret key.
+    pub fn is_keyed(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// `keyed` or `none`, as `inboxctl` shows it.
+    pub fn kind(&self) -> &'static str {
+        if self.is_keyed() {
+            "keyed"
+        } else {
+            "none"
+        }
+    }
+
+    pub(crate) fn secret(&self) -> Option<&[u8; ID_KEY_LEN]> {
+        self.0.as_deref()
+    }
+}
+
+impl std::fmt::Debug for IdKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the secret itself.
+        write!(f, "IdKey({})", self.kind())
+    }
+}
+
+/// Fixed-width identity key: xxh3-128 of the producer namespace and the message id, under the database's
+/// [`IdKey`].
 ///
 /// 16 bytes whatever the id length, which keeps retained identities compact. The encoding is length-prefixed,
 /// so `("a", "bc")` and `("ab", "c")` differ, and "no producer" differs from every producer.
-/// The hash is part of the on-disk format and never changes within a schema version.
+/// The hash is part of the on-disk format and never changes within a schema version. Compute it with
+/// [`Inbox::id_hash`](crate::Inbox::id_hash) (the database's key), not with [`IdHash::of`], unless the
+/// database is unkeyed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct IdHash(pub [u8; 16]);
 
 impl IdHash {
-    /// Hashes an identity.
+    /// Hashes an identity without a key: the hash of a database created before schema version 2
+    /// ([`IdKey::UNKEYED`]).
     pub fn of(producer: Option<&str>, message_id: &str) -> IdHash {
-        let mut h = Xxh3Default::new();
-        match producer {
-            None => h.update(&[0]),
-            Some(p) => {
-                h.update(&[1]);
-                h.update(&(p.len() as u64).to_le_bytes());
-                h.update(p.as_bytes());
+        IdHash::keyed(&IdKey::UNKEYED, producer, message_id)
+    }
+
+    /// Hashes an identity under `key`.
+    pub fn keyed(key: &IdKey, producer: Option<&str>, message_id: &str) -> IdHash {
+        match key.secret() {
+            None => {
+                let mut h = Xxh3Default::new();
+                feed(producer, message_id, |b| h.update(b));
+                IdHash(h.digest128().to_be_bytes())
+            }
+            Some(secret) => {
+                let mut h = Xxh3::with_secret(*secret);
+                feed(producer, message_id, |b| h.update(b));
+                IdHash(h.digest128().to_be_bytes())
             }
         }
-        h.update(&(message_id.len() as u64).to_le_bytes());
-        h.update(message_id.as_bytes());
-        IdHash(h.digest128().to_be_bytes())
     }
 
     /// Lower-case hex, as shown by the CLI.
     pub fn to_hex(&self) -> String {
         self.0.iter().map(|b| format!("{b:02x}")).collect()
     }
+}
+
+/// The length-prefixed encoding that is hashed.
+#[inline]
+fn feed(producer: Option<&str>, message_id: &str, mut update: impl FnMut(&[u8])) {
+    match producer {
+        None => update(&[0]),
+        Some(p) => {
+            update(&[1]);
+            update(&(p.len() as u64).to_le_bytes());
+            update(p.as_bytes());
+        }
+    }
+    update(&(message_id.len() as u64).to_le_bytes());
+    update(message_id.as_bytes());
 }
 
 /// Stable 64-bit hash of (topic, payload), stored beside the identity to tell a redelivery from a conflict.
@@ -177,5 +265,25 @@ mod tests {
         assert_ne!(a, IdHash::of(Some(""), "evt-42-created"));
         assert_ne!(IdHash::of(Some("a"), "bc"), IdHash::of(Some("ab"), "c"));
         assert_ne!(Fingerprint::of("a", b"bc"), Fingerprint::of("ab", b"c"));
+    }
+
+    #[test]
+    fn keyed_hashes_differ_per_key_and_unkeyed_is_version_one() {
+        // The version-1 hash of this identity, as stored by databases of that version.
+        assert_eq!(
+            IdHash::of(None, "evt-42-created"),
+            IdHash::keyed(&IdKey::UNKEYED, None, "evt-42-created")
+        );
+        let (a, b) = (IdKey::generate().unwrap(), IdKey::generate().unwrap());
+        assert_ne!(a, b);
+        let ha = IdHash::keyed(&a, Some("p"), "m-1");
+        assert_eq!(ha, IdHash::keyed(&a, Some("p"), "m-1"));
+        assert_ne!(ha, IdHash::keyed(&b, Some("p"), "m-1"));
+        assert_ne!(ha, IdHash::of(Some("p"), "m-1"));
+        assert_ne!(
+            IdHash::keyed(&a, Some("a"), "bc"),
+            IdHash::keyed(&a, Some("ab"), "c")
+        );
+        assert_eq!(format!("{a:?}"), "IdKey(keyed)");
     }
 }

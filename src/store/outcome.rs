@@ -42,11 +42,45 @@ pub enum Outcome {
         /// or `None` when it was rejected.
         quarantined: Option<i64>,
     },
+    /// Sequence watermarks: the delivery's sequence number is already claimed, but not by this message (another
+    /// message id: the producer restarted its counter without persisting it, or two producers share one
+    /// namespace), or it can no longer be compared (below the window of recent sequences whose identities are
+    /// kept). It was not applied and is kept in the `quarantine` table with the reason; never reported as a
+    /// duplicate. Counted durably (`sequence_conflicts` and `quarantined`). May be acked.
+    SequenceConflict {
+        /// The delivery's sequence number.
+        sequence: u64,
+        /// Why it could not be taken for a duplicate.
+        cause: SequenceConflictCause,
+        /// The `quarantine` row that keeps it.
+        quarantined: i64,
+    },
+}
+
+/// Why a numbered delivery in a watermark scope was quarantined ([`Outcome::SequenceConflict`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SequenceConflictCause {
+    /// The sequence was claimed by another message id: a restarted or duplicated producer.
+    OtherMessage,
+    /// The sequence is at or below the high-water mark, older than the window of recent sequences whose
+    /// identities are kept, so the inbox cannot tell a redelivery from a reused number.
+    BelowWindow,
+}
+
+impl SequenceConflictCause {
+    /// `other-message` or `below-window`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SequenceConflictCause::OtherMessage => "other-message",
+            SequenceConflictCause::BelowWindow => "below-window",
+        }
+    }
 }
 
 impl Outcome {
     /// True when the delivery may be acknowledged: its fate is durably recorded (processed, recognised as a
-    /// duplicate, recorded as a conflict, or quarantined as expired). False for a handler failure and a rejected
+    /// duplicate, recorded as a conflict, quarantined as expired or as a sequence conflict). False for a handler failure and a rejected
     /// expired delivery, which nothing durable covers.
     pub fn may_ack(&self) -> bool {
         match self {
@@ -56,8 +90,8 @@ impl Outcome {
         }
     }
 
-    /// A short lower-case name: `processed`, `duplicate`, `conflict`, `handler-failed`, `received` or
-    /// `expired`.
+    /// A short lower-case name: `processed`, `duplicate`, `conflict`, `handler-failed`, `received`,
+    /// `expired` or `sequence-conflict`.
     pub fn name(&self) -> &'static str {
         match self {
             Outcome::Processed => "processed",
@@ -66,6 +100,7 @@ impl Outcome {
             Outcome::HandlerFailed(_) => "handler-failed",
             Outcome::Received => "received",
             Outcome::Expired { .. } => "expired",
+            Outcome::SequenceConflict { .. } => "sequence-conflict",
         }
     }
 }

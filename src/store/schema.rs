@@ -13,11 +13,21 @@ use crate::store::error::{extended_code, Error, Result};
 pub(crate) const SCHEMA: &str = include_str!("../../schema.sql");
 
 /// Version of the schema in `schema.sql` that this build creates and reads, stored in `PRAGMA user_version`.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 /// Forward migrations: `MIGRATIONS[i]` takes a database from version `i + 1` to `i + 2`.
 /// They run in one transaction together with the `user_version` bump.
-const MIGRATIONS: &[&str] = &[];
+const MIGRATIONS: &[&str] = &[
+    // 1 -> 2: keyed identity hashes (this file keeps its unkeyed ones: id_key NULL), sequence windows, clock
+    // bookkeeping.
+    "CREATE TABLE inbox_meta (name TEXT PRIMARY KEY, value) WITHOUT ROWID; \
+     INSERT INTO inbox_meta (name, value) VALUES ('id_key', NULL); \
+     INSERT INTO inbox_meta (name, value) SELECT 'created_at', min(created_at) FROM scopes; \
+     ALTER TABLE scope_stats ADD COLUMN sequence_conflicts INTEGER NOT NULL DEFAULT 0; \
+     ALTER TABLE scope_stats ADD COLUMN identities_restamped INTEGER NOT NULL DEFAULT 0; \
+     CREATE TABLE watermark_recent (scope_id INTEGER NOT NULL, producer TEXT NOT NULL, sequence INTEGER NOT NULL, \
+       id_hash BLOB NOT NULL, fingerprint INTEGER NOT NULL, PRIMARY KEY (scope_id, producer, sequence)) WITHOUT ROWID;",
+];
 
 const _: () = assert!(MIGRATIONS.len() as i64 == SCHEMA_VERSION - 1);
 
@@ -184,6 +194,12 @@ fn install_or_migrate(conn: &Connection) -> Result<()> {
         }
         if version == 0 {
             conn.execute_batch(SCHEMA)?;
+            let key = crate::store::identity::IdKey::generate()
+                .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
+            conn.execute(
+                "INSERT INTO inbox_meta (name, value) VALUES ('id_key', ?1), ('created_at', ?2)",
+                (key.secret().map(|s| &s[..]), crate::store::txn::unix_now()),
+            )?;
             version = SCHEMA_VERSION;
         }
         while version < SCHEMA_VERSION {
@@ -208,6 +224,46 @@ fn install_or_migrate(conn: &Connection) -> Result<()> {
         }
         Err(e) => Err(rollback_after(conn, e)),
     }
+}
+
+/// The identity key of the database on `conn` ([`IdKey::UNKEYED`](crate::IdKey::UNKEYED) for a file of
+/// schema version 1, migrated or not).
+pub(crate) fn id_key(conn: &Connection) -> Result<crate::store::identity::IdKey> {
+    Ok(crate::store::identity::IdKey::from_stored(
+        meta(conn, "id_key")?.as_deref(),
+    ))
+}
+
+/// A value of `inbox_meta` as bytes or an integer; `None` when absent (or the file predates the table).
+pub(crate) fn meta(conn: &Connection, name: &str) -> Result<Option<Vec<u8>>> {
+    if version(conn)? < 2 {
+        return Ok(None);
+    }
+    use rusqlite::OptionalExtension;
+    Ok(conn
+        .prepare_cached("SELECT value FROM inbox_meta WHERE name = ?1")?
+        .query_row([name], |r| r.get::<_, Option<Vec<u8>>>(0))
+        .optional()?
+        .flatten())
+}
+
+/// An integer value of `inbox_meta`.
+pub(crate) fn meta_i64(conn: &Connection, name: &str) -> Result<Option<i64>> {
+    if version(conn)? < 2 {
+        return Ok(None);
+    }
+    use rusqlite::OptionalExtension;
+    Ok(conn
+        .prepare_cached(
+            "SELECT value FROM inbox_meta WHERE name = ?1 AND typeof(value) = 'integer'",
+        )?
+        .query_row([name], |r| r.get::<_, i64>(0))
+        .optional()?)
+}
+
+/// `PRAGMA user_version` of the open file.
+pub(crate) fn version(conn: &Connection) -> Result<i64> {
+    Ok(conn.query_row("PRAGMA user_version", [], |r| r.get(0))?)
 }
 
 fn rollback_after(conn: &Connection, err: rusqlite::Error) -> Error {

@@ -146,7 +146,7 @@ impl<'a> Tx<'a> {
     /// the batch fails anyway, and a write that ran now would run outside the delivery's transaction.
     pub(crate) fn track<T>(&self, f: impl FnOnce() -> rusqlite::Result<T>) -> Result<T> {
         if let Some(code) = self.failure.get() {
-            return Err(crate::inbox::storage_error(code));
+            return Err(crate::store::error::storage_error(code));
         }
         if self.conn.handler_tx_ended() {
             return Err(Error::HandlerEndedTransaction);

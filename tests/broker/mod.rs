@@ -4,7 +4,8 @@
 //! `EDGE_INBOX_LOCAL_BROKER` chooses what [`Broker::start`] runs: `mosquitto`, `embedded`, or `auto` (the default:
 //! mosquitto when installed, else embedded). `EDGE_INBOX_MOSQUITTO` names the mosquitto executable (a path that
 //! does not exist stands for a machine without it). Tests that need mosquitto itself (a restart with
-//! persistence, its log, TLS, ACLs, `mosquitto_pub`) live in the `mosquitto_only` target, which reports them
+//! persistence, its log, TLS, ACLs, `mosquitto_pub`) live in the `mosquitto_only` target, or are marked
+//! `Needs::Mosquitto` in a mixed `harness = false` target ([`run_tests`]); both report them
 //! ignored when mosquitto is missing, unless `EDGE_INBOX_LOCAL_BROKER=mosquitto` demands it.
 #![allow(dead_code)]
 
@@ -102,13 +103,32 @@ pub fn selected() -> Kind {
 /// reported ignored, with the reason, when it is not, unless `EDGE_INBOX_LOCAL_BROKER=mosquitto` (CI), where a
 /// missing mosquitto fails them.
 pub fn run_mosquitto_only(tests: &[(&'static str, fn())]) -> ! {
+    let tests: Vec<_> = tests
+        .iter()
+        .map(|&(n, t)| (n, t, Needs::Mosquitto))
+        .collect();
+    run_tests(&tests)
+}
+
+/// What a test of a mixed target (`harness = false`) needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Needs {
+    /// Any broker: the selected one ([`Broker::start`]).
+    AnyBroker,
+    /// mosquitto itself (its log, a restart, its options): ignored with the reason where it is missing.
+    Mosquitto,
+}
+
+/// Runs the tests of a `harness = false` target: those that need only a broker always run; those that need
+/// mosquitto itself run as in [`run_mosquitto_only`].
+pub fn run_tests(tests: &[(&'static str, fn(), Needs)]) -> ! {
     let args = libtest_mimic::Arguments::from_args();
     let missing = mosquitto_missing();
     let demanded = std::env::var("EDGE_INBOX_LOCAL_BROKER").as_deref() == Ok("mosquitto");
     let trials = tests
         .iter()
-        .map(|&(name, test)| {
-            let missing = missing.clone();
+        .map(|&(name, test, needs)| {
+            let missing = missing.clone().filter(|_| needs == Needs::Mosquitto);
             libtest_mimic::Trial::ignorable_test(name, move || match missing {
                 Some(why) if demanded => {
                     Err(format!("EDGE_INBOX_LOCAL_BROKER=mosquitto, but {why}").into())
