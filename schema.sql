@@ -1,4 +1,4 @@
--- edge-inbox schema, version 2.
+-- edge-inbox schema, version 3.
 --
 -- This file is the single source of the schema: `src/schema.rs` runs it on a new database and then sets
 -- `PRAGMA user_version`. A later version adds a forward migration there and bumps the version; this file
@@ -55,6 +55,12 @@ CREATE TABLE conflicts (
 CREATE INDEX conflicts_by_identity ON conflicts (scope_id, id_hash);
 
 -- Durable counters per scope, updated in the same transaction as the outcomes they count.
+-- One count is derived instead: a delivery the strong case processes by inserting a new identity row writes
+-- no counter (that would be one more page per commit); the row itself is the count. The processed figure is
+-- processed + (identity rows of the scope) - identity_offset, where identity_offset is kept by every other
+-- writer of identity rows (pending and dead-lettered deliveries add theirs, pruning subtracts what it deletes)
+-- in the same transaction. So the figure is exact at every commit and after any crash, and costs a count of
+-- the scope's identities to read.
 CREATE TABLE scope_stats (
     scope_id          INTEGER PRIMARY KEY,
     processed         INTEGER NOT NULL DEFAULT 0,
@@ -71,7 +77,9 @@ CREATE TABLE scope_stats (
     sequence_conflicts INTEGER NOT NULL DEFAULT 0,
     -- Identities whose commit day could not be right (before the file existed, or in the future) and that
     -- retention stamped with the day it first saw a plausible clock instead.
-    identities_restamped INTEGER NOT NULL DEFAULT 0
+    identities_restamped INTEGER NOT NULL DEFAULT 0,
+    -- Identity rows that do not stand for a delivery processed by the strong case (see above).
+    identity_offset INTEGER NOT NULL DEFAULT 0
 );
 
 -- Built-in key-value state for handlers. Values are CBOR. ns is the scope name unless the caller picks one.

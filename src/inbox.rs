@@ -322,11 +322,13 @@ impl Inbox {
         emit: &mut dyn FnMut(usize, Outcome),
     ) -> Result<()> {
         let failure = Cell::new(None);
+        // A batch of one needs no savepoint: its handler failing rolls back the whole transaction.
+        let alone = deliveries.len() == 1;
         for (i, d) in deliveries.iter().enumerate() {
             let scope_id = self.scopes[d.scope];
             let rules = self.retention.rules(scope_id);
-            let outcome = apply_one(
-                &self.conn, d, scope_id, rules, now, handler, &self.buf, &failure,
+            let (outcome, row_counts) = apply_one(
+                &self.conn, d, scope_id, rules, now, handler, &self.buf, &failure, alone,
             )?;
             let counts = match self.counts.iter_mut().find(|c| c.scope_id == scope_id) {
                 Some(c) => c,
@@ -339,6 +341,8 @@ impl Inbox {
                 }
             };
             match outcome {
+                // A new identity row is its own count (see `schema.sql`): one page fewer per commit.
+                Outcome::Processed if row_counts => {}
                 Outcome::Processed => counts.processed += 1,
                 Outcome::Duplicate => counts.duplicates += 1,
                 Outcome::Conflict { .. } => counts.conflicts += 1,
@@ -356,6 +360,9 @@ impl Inbox {
 
 fn flush_counts(conn: &Db, counts: &[Counts]) -> Result<()> {
     for c in counts {
+        if c.processed == 0 && c.duplicates == 0 && c.conflicts == 0 && c.handler_failures == 0 {
+            continue;
+        }
         conn.add_counts(
             c.scope_id,
             [c.processed, c.duplicates, c.conflicts, c.handler_failures],
@@ -364,7 +371,9 @@ fn flush_counts(conn: &Db, counts: &[Counts]) -> Result<()> {
     Ok(())
 }
 
-/// One delivery inside the open transaction, in its own savepoint.
+/// One delivery inside the open transaction: in its own savepoint, or (`alone`, the only delivery of its
+/// transaction) without one, a failing handler then rolling back the whole transaction and starting a new one
+/// for the counters. The flag is true when a new identity row counts the delivery (see `schema.sql`).
 #[allow(clippy::too_many_arguments)]
 fn apply_one<H: Handler>(
     conn: &Db,
@@ -375,23 +384,39 @@ fn apply_one<H: Handler>(
     handler: &mut H,
     buf: &RefCell<Vec<u8>>,
     failure: &Cell<Option<i32>>,
-) -> Result<Outcome> {
-    conn.savepoint()?;
-    if let Some(outcome) = claim_identity(conn, d, scope_id, rules, now)? {
-        release(conn)?;
-        return Ok(outcome);
+    alone: bool,
+) -> Result<(Outcome, bool)> {
+    if !alone {
+        conn.savepoint()?;
     }
+    let claim = match claim_identity(conn, d, scope_id, rules, now)? {
+        Claim::Settled(outcome) => {
+            if !alone {
+                release(conn)?;
+            }
+            return Ok((outcome, false));
+        }
+        claim => claim,
+    };
 
     match run_handler(conn, d, scope_id, now, handler, buf, failure)? {
         Ok(()) => {
-            release(conn)?;
-            Ok(Outcome::Processed)
+            if !alone {
+                release(conn)?;
+            }
+            Ok((Outcome::Processed, matches!(claim, Claim::Row)))
         }
         Err(err) => {
-            conn.rollback_to()?;
-            release(conn)?;
+            if alone {
+                // Identity and effect go together; the failure is counted in a transaction of its own.
+                conn.execute_batch("ROLLBACK")?;
+                begin(conn)?;
+            } else {
+                conn.rollback_to()?;
+                release(conn)?;
+            }
             log::debug!("handler failed for {}/{}: {err:#}", d.scope, d.message_id);
-            Ok(Outcome::HandlerFailed(err))
+            Ok((Outcome::HandlerFailed(err), false))
         }
     }
 }
@@ -429,10 +454,30 @@ pub(crate) fn run_handler<H: Handler>(
     Ok(result)
 }
 
-/// Inserts the identity of `d`, inside the caller's open transaction. `None`: the identity is new and now
-/// claimed (it commits or aborts with the caller's transaction). `Some`: it already existed, and the outcome
-/// says whether as a duplicate or a (now recorded) conflict; or ([`Outcome::Expired`]) it is not found but older
-/// than the scope's pruned identity horizon, and was not claimed. The primary key decides, never a prior query.
+/// How [`claim_identity`] settled a delivery.
+#[derive(Debug)]
+pub(crate) enum Claim {
+    /// New: its identity row is inserted (it commits or aborts with the caller's transaction).
+    Row,
+    /// New: its sequence is claimed in the producer's watermark; no identity row.
+    Sequence,
+    /// Not new, or not to be applied: the outcome says why.
+    Settled(Outcome),
+}
+
+impl Claim {
+    /// The identity rows this claim added, for `scope_stats.identity_offset` (see `schema.sql`): a writer
+    /// other than the strong case adds them to the offset, so they do not count as processed.
+    pub(crate) fn rows(&self) -> i64 {
+        i64::from(matches!(self, Claim::Row))
+    }
+}
+
+/// Inserts the identity of `d`, inside the caller's open transaction. [`Claim::Row`] or [`Claim::Sequence`]:
+/// the identity is new and now claimed (it commits or aborts with the caller's transaction).
+/// [`Claim::Settled`]: it already existed, and the outcome says whether as a duplicate or a (now recorded)
+/// conflict; or ([`Outcome::Expired`]) it is not found but older than the scope's pruned identity horizon, and
+/// was not claimed. The primary key decides, never a prior query.
 ///
 /// `rules` are the scope's cached retention rules ([`RetentionState::rules`], refreshed inside the same write
 /// transaction). A scope with sequence watermarks records numbered deliveries as watermarks, not identity rows.
@@ -442,7 +487,7 @@ pub(crate) fn claim_identity(
     scope_id: i64,
     rules: &ScopeRules,
     now: i64,
-) -> Result<Option<Outcome>> {
+) -> Result<Claim> {
     if let (Some(first), Some(producer), Some(seq)) =
         (rules.watermark_first(), d.producer, d.sequence)
     {
@@ -456,7 +501,12 @@ pub(crate) fn claim_identity(
                 id_hash: d.id_hash(&conn.id_key),
                 fingerprint: d.fingerprint(),
             };
-            return crate::retention::watermark::claim(conn, &claim, d, now);
+            return Ok(
+                match crate::retention::watermark::claim(conn, &claim, d, now)? {
+                    None => Claim::Sequence,
+                    Some(outcome) => Claim::Settled(outcome),
+                },
+            );
         }
     }
     let id_hash = d.id_hash(&conn.id_key);
@@ -470,8 +520,14 @@ pub(crate) fn claim_identity(
     // The primary key arbitrates: `ON CONFLICT DO NOTHING` changes no row when the identity exists, and
     // saves building an error (and its message) on the duplicate path.
     match inserted? {
-        0 => existing(conn, d, scope_id, &id_hash, fingerprint, now).map(Some),
-        _ => retention::check_new_identity(conn, d, &id_hash, scope_id, now, rules),
+        0 => existing(conn, d, scope_id, &id_hash, fingerprint, now).map(Claim::Settled),
+        _ => Ok(
+            match retention::check_new_identity(conn, d, &id_hash, scope_id, now, rules)? {
+                None => Claim::Row,
+                // Its claim was undone: no row.
+                Some(outcome) => Claim::Settled(outcome),
+            },
+        ),
     }
 }
 

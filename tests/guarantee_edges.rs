@@ -260,8 +260,11 @@ fn a_file_of_schema_version_1_keeps_its_identities() {
             [],
         )
         .unwrap();
-        conn.execute("INSERT INTO scope_stats (scope_id) VALUES (1)", [])
-            .unwrap();
+        conn.execute(
+            "INSERT INTO scope_stats (scope_id, processed) VALUES (1, 7)",
+            [],
+        )
+        .unwrap();
         conn.execute(
             "INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (1, ?1, ?2, ?3)",
             (
@@ -293,8 +296,19 @@ fn a_file_of_schema_version_1_keeps_its_identities() {
         !inbox.id_key().is_keyed(),
         "old rows stay valid: the file stays unkeyed"
     );
+    assert_eq!(
+        inbox.scope_stats("s").unwrap().processed,
+        7,
+        "the migrated counters keep their figures"
+    );
     let d = Delivery::new("s", "old-1", "t", b"x").with_producer("p");
     assert!(matches!(inbox.process(&d, ok).unwrap(), Outcome::Duplicate));
+    let new = Delivery::new("s", "new-1", "t", b"x").with_producer("p");
+    assert!(matches!(
+        inbox.process(&new, ok).unwrap(),
+        Outcome::Processed
+    ));
+    assert_eq!(inbox.scope_stats("s").unwrap().processed, 8);
     assert!(matches!(
         inbox.status("s", Some("p"), "old-1").unwrap(),
         Status::Recorded { .. }

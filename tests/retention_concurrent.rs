@@ -118,7 +118,8 @@ fn consumer_commits_while_pruning_runs() {
     );
     let mut check = Inbox::open(&path, Config::default()).unwrap();
     let stats = check.scope_stats(scope).unwrap();
-    assert_eq!(stats.processed, committed);
+    // The old rows stand for deliveries the strong case processed: pruning them does not change the count.
+    assert_eq!(stats.processed, n as u64 + committed);
     let left: i64 = check
         .connection()
         .query_row("SELECT count(*) FROM identities", [], |r| r.get(0))

@@ -164,6 +164,11 @@ pub struct Raw {
 }
 
 impl Raw {
+    /// The connection, e.g. for pragmas of a measurement.
+    pub fn conn(&self) -> &Connection {
+        &self.conn
+    }
+
     /// Opens `path` with the inbox's pragmas.
     pub fn open(path: &Path, sync: Sync) -> rusqlite::Result<Raw> {
         Ok(Raw {
@@ -199,6 +204,11 @@ pub struct Peer {
 }
 
 impl Peer {
+    /// The connection, e.g. for pragmas of a measurement.
+    pub fn conn(&self) -> &Connection {
+        &self.conn
+    }
+
     /// Opens `path` (creating the peer tables on a new file).
     pub fn open(path: &Path, sync: Sync) -> rusqlite::Result<Peer> {
         let conn = if path.exists() {

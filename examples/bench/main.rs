@@ -13,7 +13,7 @@
 //! default `Consumer` and the bare consumer at 10%, 50% and 90% of the saturation rate, beside the disk's
 //! fsync time; `--n` messages per run). `--instructions KIND` does `--n`
 //! deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is `raw`,
-//! `process`, `process-noop`, `raw256` or `batch256`.
+//! `classic`, `process`, `process-noop`, `raw256` or `batch256`.
 //!
 //! Every row runs on a fresh database file in `--db-dir` with `synchronous=FULL`; all rows run once per
 //! round, rounds are interleaved, and the table shows the median rate and the median of the per-round ratios,
@@ -43,7 +43,7 @@ mod race;
 mod table;
 
 use allocations::{allocations, trace_allocations};
-use instructions::instructions;
+use instructions::{instructions, wal_frames};
 use race::race;
 use table::table;
 
@@ -118,7 +118,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = Mode::All)]
     mode: Mode,
     /// Do `--n` deliveries of one kind with `synchronous=OFF`, for callgrind (overrides `--mode`).
-    #[arg(long, value_name = "KIND", value_parser = ["raw", "process", "process-noop", "raw256", "batch256"])]
+    #[arg(long, value_name = "KIND", value_parser = ["raw", "classic", "process", "process-noop", "raw256", "batch256"])]
     instructions: Option<String>,
 }
 
@@ -154,6 +154,7 @@ fn main() -> anyhow::Result<()> {
     let mode = args.mode;
     if matches!(mode, Mode::All | Mode::Table) {
         table(dir.path(), n, rounds)?;
+        wal_frames(dir.path(), n)?;
     }
     if matches!(mode, Mode::All | Mode::Allocs) {
         allocations(dir.path())?;

@@ -1,6 +1,6 @@
 //! Dead letters: a delivery the handler keeps refusing is kept, with its reason, instead of being retried forever.
 
-use crate::inbox::{claim_identity, Inbox};
+use crate::inbox::{claim_identity, Claim, Inbox};
 use crate::store::error::Result;
 use crate::store::identity::Delivery;
 use crate::store::outcome::{MessageState, Outcome};
@@ -59,16 +59,22 @@ impl Inbox {
     ) -> Result<Outcome> {
         self.retention.refresh(&self.conn)?;
         let rules = self.retention.rules(scope_id);
-        if let Some(outcome) = claim_identity(&self.conn, d, scope_id, rules, now)? {
+        let claim = claim_identity(&self.conn, d, scope_id, rules, now)?;
+        let rows = claim.rows();
+        if let Claim::Settled(outcome) = claim {
+            // Expired deliveries and sequence conflicts were counted where they were found.
             let column = match outcome {
-                Outcome::Conflict { .. } => "conflicts = conflicts + 1",
-                _ => "duplicates = duplicates + 1",
+                Outcome::Conflict { .. } => Some("conflicts = conflicts + 1"),
+                Outcome::Duplicate => Some("duplicates = duplicates + 1"),
+                _ => None,
             };
-            self.conn
-                .prepare_cached(&format!(
-                    "UPDATE scope_stats SET {column} WHERE scope_id = ?1"
-                ))?
-                .execute([scope_id])?;
+            if let Some(column) = column {
+                self.conn
+                    .prepare_cached(&format!(
+                        "UPDATE scope_stats SET {column} WHERE scope_id = ?1"
+                    ))?
+                    .execute([scope_id])?;
+            }
             return Ok(outcome);
         }
         self.conn
@@ -93,9 +99,11 @@ impl Inbox {
             ))?;
         self.conn
             .prepare_cached(
-                "UPDATE scope_stats SET dead_lettered = dead_lettered + 1 WHERE scope_id = ?1",
+                // A dead letter's identity row is not a processed delivery (see `schema.sql`).
+                "UPDATE scope_stats SET dead_lettered = dead_lettered + 1, identity_offset = identity_offset + ?2 \
+                 WHERE scope_id = ?1",
             )?
-            .execute([scope_id])?;
+            .execute((scope_id, rows))?;
         Ok(Outcome::Processed)
     }
 }

@@ -1,7 +1,7 @@
 //! Received-then-deferred mode, receive side: store the delivery as a pending message and commit, so it may be
 //! acked before its effect is applied. Workers ([`crate::Worker`]) apply it later.
 
-use crate::inbox::{claim_identity, Inbox};
+use crate::inbox::{claim_identity, Claim, Inbox};
 use crate::store::error::{is_unique_violation, Error, InvalidDelivery, Result};
 use crate::store::identity::Delivery;
 use crate::store::outcome::Outcome;
@@ -13,6 +13,8 @@ struct Counts {
     scope_id: i64,
     duplicates: i64,
     conflicts: i64,
+    /// Identity rows added (for `identity_offset`).
+    rows: i64,
 }
 
 impl Inbox {
@@ -126,9 +128,13 @@ impl Inbox {
             for (i, d) in deliveries.iter().enumerate() {
                 let scope_id = scope_ids[i];
                 let rules = self.retention.rules(scope_id);
-                let outcome = match claim_identity(&self.conn, d, scope_id, rules, now)? {
-                    None => store_pending(&self.conn, d, scope_id, order_key(i), now)?,
-                    Some(existing) => existing,
+                let claim = claim_identity(&self.conn, d, scope_id, rules, now)?;
+                let rows = claim.rows();
+                let outcome = match claim {
+                    Claim::Settled(existing) => existing,
+                    Claim::Row | Claim::Sequence => {
+                        store_pending(&self.conn, d, scope_id, order_key(i), now)?
+                    }
                 };
                 let c = match counts.iter_mut().find(|c| c.scope_id == scope_id) {
                     Some(c) => c,
@@ -137,10 +143,13 @@ impl Inbox {
                             scope_id,
                             duplicates: 0,
                             conflicts: 0,
+                            rows: 0,
                         });
                         counts.last_mut().expect("just pushed")
                     }
                 };
+                // A pending delivery's identity row is not a processed one (see `schema.sql`).
+                c.rows += rows;
                 match outcome {
                     Outcome::Duplicate => c.duplicates += 1,
                     Outcome::Conflict { .. } => c.conflicts += 1,
@@ -149,10 +158,14 @@ impl Inbox {
                 emit(outcome);
             }
             let mut stmt = self.conn.prepare_cached(
-                "UPDATE scope_stats SET duplicates = duplicates + ?2, conflicts = conflicts + ?3 WHERE scope_id = ?1",
+                "UPDATE scope_stats SET duplicates = duplicates + ?2, conflicts = conflicts + ?3, \
+                 identity_offset = identity_offset + ?4 WHERE scope_id = ?1",
             )?;
-            for c in counts.iter().filter(|c| c.duplicates + c.conflicts > 0) {
-                stmt.execute((c.scope_id, c.duplicates, c.conflicts))?;
+            for c in counts
+                .iter()
+                .filter(|c| c.duplicates + c.conflicts + c.rows > 0)
+            {
+                stmt.execute((c.scope_id, c.duplicates, c.conflicts, c.rows))?;
             }
             drop(stmt);
             commit(&self.conn)

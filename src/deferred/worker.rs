@@ -638,7 +638,7 @@ fn apply_claims<H: Handler>(
     let now_ms = unix_now_ms();
     let now = now_ms.div_euclid(1000);
     let failure = std::cell::Cell::new(None);
-    let (mut processed, mut failures, mut dead) = (0i64, 0i64, 0i64);
+    let (mut processed, mut failures, mut dead, mut rows) = (0i64, 0i64, 0i64, 0i64);
     let mut applied = 0;
     for c in claims {
         // The write lock is held from the first claim on: past the budget, the rest waits for the next
@@ -667,10 +667,11 @@ fn apply_claims<H: Handler>(
         let d = c.delivery(scope);
         // A body moved here by a dead-letter path may lack its identity (a failed strong-case attempt rolls it
         // back): restore it, so a redelivery after this commit is a duplicate.
-        conn.prepare_cached(
-            "INSERT OR IGNORE INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, ?3, ?4)",
-        )?
-        .execute((
+        let restored = conn
+            .prepare_cached(
+                "INSERT OR IGNORE INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, ?3, ?4)",
+            )?
+            .execute((
             scope_id,
             &c.id_hash.0[..],
             Fingerprint::of(&c.topic, &c.payload).to_sql(),
@@ -681,6 +682,8 @@ fn apply_claims<H: Handler>(
             Ok(()) => {
                 release(conn)?;
                 processed += 1;
+                // Counted in `processed` already: the restored row must not count again (see `schema.sql`).
+                rows += restored as i64;
                 out.push(Completion::Processed);
                 continue;
             }
@@ -735,8 +738,8 @@ fn apply_claims<H: Handler>(
     }
     conn.prepare_cached(
         "UPDATE scope_stats SET processed = processed + ?2, handler_failures = handler_failures + ?3, \
-         dead_lettered = dead_lettered + ?4 WHERE scope_id = ?1",
+         dead_lettered = dead_lettered + ?4, identity_offset = identity_offset + ?5 WHERE scope_id = ?1",
     )?
-    .execute((scope_id, processed, failures, dead))?;
+    .execute((scope_id, processed, failures, dead, rows))?;
     Ok(applied)
 }

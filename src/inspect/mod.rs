@@ -357,8 +357,9 @@ pub fn stats(conn: &Connection, scope: Option<&str>) -> Result<Vec<ScopeReport>>
     let now_ms = unix_now_ms();
     snapshot(conn, || {
         let v2 = crate::inspect::stats::v2_columns(conn)?;
+        let processed = crate::inspect::stats::processed_column(conn)?;
         let mut stmt = conn.prepare_cached(&format!(
-            "SELECT s.id, s.name, coalesce(st.processed, 0), coalesce(st.duplicates, 0), coalesce(st.conflicts, 0), \
+            "SELECT s.id, s.name, coalesce({processed}, 0), coalesce(st.duplicates, 0), coalesce(st.conflicts, 0), \
              coalesce(st.handler_failures, 0), coalesce(st.quarantined, 0), coalesce(st.dead_lettered, 0), \
              coalesce(st.identities_pruned, 0), coalesce(st.payloads_pruned, 0), coalesce(st.expired, 0), {v2} \
              FROM scopes s LEFT JOIN scope_stats st ON st.scope_id = s.id \

@@ -326,7 +326,9 @@ impl Inbox {
                 )?
                 .execute((scope_id, bound))?;
                 conn.prepare_cached(
-                    "UPDATE scope_stats SET identities_pruned = identities_pruned + ?2 WHERE scope_id = ?1",
+                    // The deleted rows leave the derived processed figure unchanged (see `schema.sql`).
+                    "UPDATE scope_stats SET identities_pruned = identities_pruned + ?2, \
+                     identity_offset = identity_offset - ?2 WHERE scope_id = ?1",
                 )?
                 .execute((scope_id, days.len() as i64))?;
                 log::info!(

@@ -13,7 +13,7 @@ use crate::store::error::{extended_code, Error, Result};
 pub(crate) const SCHEMA: &str = include_str!("../../schema.sql");
 
 /// Version of the schema in `schema.sql` that this build creates and reads, stored in `PRAGMA user_version`.
-pub const SCHEMA_VERSION: i64 = 2;
+pub const SCHEMA_VERSION: i64 = 3;
 
 /// Forward migrations: `MIGRATIONS[i]` takes a database from version `i + 1` to `i + 2`.
 /// They run in one transaction together with the `user_version` bump.
@@ -27,6 +27,10 @@ const MIGRATIONS: &[&str] = &[
      ALTER TABLE scope_stats ADD COLUMN identities_restamped INTEGER NOT NULL DEFAULT 0; \
      CREATE TABLE watermark_recent (scope_id INTEGER NOT NULL, producer TEXT NOT NULL, sequence INTEGER NOT NULL, \
        id_hash BLOB NOT NULL, fingerprint INTEGER NOT NULL, PRIMARY KEY (scope_id, producer, sequence)) WITHOUT ROWID;",
+    // 2 -> 3: the strong case stops counting what it processes (its new identity rows are the count); every
+    // identity row already there is accounted for in `processed`, so it all goes into the offset.
+    "ALTER TABLE scope_stats ADD COLUMN identity_offset INTEGER NOT NULL DEFAULT 0; \
+     UPDATE scope_stats SET identity_offset = (SELECT count(*) FROM identities i WHERE i.scope_id = scope_stats.scope_id);",
 ];
 
 const _: () = assert!(MIGRATIONS.len() as i64 == SCHEMA_VERSION - 1);
