@@ -223,8 +223,7 @@ fn main() -> anyhow::Result<()> {
     let mqtt = MqttConfig::new("127.0.0.1", port, "soak-consumer")
         .subscribe("soak/#")
         .inflight(WINDOW);
-    let mut consumer =
-        Consumer::new(inbox, SCOPE, mqtt).batch(WINDOW as usize, Duration::from_millis(5));
+    let mut consumer = Consumer::new(inbox, SCOPE, mqtt).batch(WINDOW as usize, Duration::ZERO);
     let stop = consumer.stop_handle();
     let consumer_thread = std::thread::spawn(move || {
         let summary = consumer.run(effect);

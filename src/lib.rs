@@ -251,8 +251,10 @@
 //!   without an identity, with a malformed envelope or over the inbox [`Limits`] is logged, recorded with
 //!   [`Inbox::quarantine`] (topic, payload, reason) and then acked: kept, not lost, and not blocking the
 //!   stream.
-//! - **Group commit.** Deliveries are collected up to a batch size or a short linger time and committed in
-//!   one [`Inbox::process_batch_into`]. The batch never exceeds the broker's inflight window
+//! - **Group commit, adaptive.** A delivery reaching an idle consumer is committed at once, alone; whatever
+//!   arrives while a commit syncs (the poll thread keeps reading) forms the next batch, committed in one
+//!   [`Inbox::process_batch_into`], so batches grow with the load and no delivery waits on a timer (an
+//!   optional linger, [`Consumer::batch`], waits for more). The batch never exceeds the broker's inflight window
 //!   ([`MqttConfig::inflight`]: our Receive Maximum for MQTT 5, mosquitto's `max_inflight_messages` for
 //!   3.1.1), or the consumer would wait for deliveries the broker withholds until it acks.
 //! - **Acks** only after the commit that covers the delivery returned `Ok` (processed, duplicate, conflict,

@@ -24,7 +24,7 @@ fn consumer(
         .protocol(protocol)
         .subscribe("orders/#");
     Consumer::new(inbox, SCOPE, mqtt)
-        .batch(64, Duration::from_millis(5))
+        .batch(64, Duration::ZERO)
         .exit_when_idle(Duration::from_millis(1500))
 }
 
@@ -318,4 +318,82 @@ fn receive_only_stores_pending_acks_and_workers_apply_each_once() {
         worker.run_once(&mut handler).unwrap();
     }
     assert_eq!(reserved(&db, SCOPE, "R-1"), 7);
+}
+
+/// Adaptive group commit: a delivery reaching an idle consumer is committed at once, alone (no linger), and
+/// what arrives while that commit is still in flight is gathered by the poll thread and committed as the
+/// next batch, acked in arrival order after it.
+#[test]
+fn deliveries_arriving_during_a_commit_form_the_next_batch() {
+    use std::sync::mpsc;
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    prime(&broker, &db, "inv-pipe", Protocol::V5);
+    let (started_tx, started_rx) = mpsc::channel::<()>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let consumer = {
+        let db = db.clone();
+        let port = broker.port;
+        std::thread::spawn(move || {
+            let inbox = Inbox::open(&db, Config::default()).unwrap();
+            // The default batch settings: no linger.
+            let mqtt = MqttConfig::new("127.0.0.1", port, "inv-pipe").subscribe("orders/#");
+            let mut c =
+                Consumer::new(inbox, SCOPE, mqtt).exit_when_idle(Duration::from_millis(1500));
+            let mut order_seen = Vec::new();
+            let s = c
+                .run(
+                    |tx: &mut edge_inbox::Tx<'_>, d: &edge_inbox::Delivery<'_>| {
+                        order_seen.push(d.message_id.to_string());
+                        if d.message_id == "gate" {
+                            // The commit of this batch is in flight until the test lets it go.
+                            started_tx.send(()).unwrap();
+                            go_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+                        }
+                        inventory_handler(tx, d)
+                    },
+                )
+                .unwrap();
+            (s, order_seen)
+        })
+    };
+    publish_v5(
+        broker.port,
+        &[Msg::new(
+            "orders/0",
+            Some("gate"),
+            order(0, "P-1", 1, "created"),
+        )],
+    );
+    // Nothing else is published before the handler runs: a consumer waiting on a timer for the batch to
+    // fill would still be waiting here.
+    started_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("a lone delivery was not handled at once");
+    // The broker's window is 20: 19 more fit in flight beside the blocked one.
+    let more: Vec<Msg> = (1..20u32)
+        .map(|i| {
+            Msg::new(
+                &format!("orders/{i}"),
+                Some(&format!("evt-{i}")),
+                order(i, "P-1", 1, "created"),
+            )
+        })
+        .collect();
+    publish_v5(broker.port, &more);
+    // Loopback forwarding of 19 small publishes takes milliseconds; a second is slack for a loaded machine.
+    std::thread::sleep(Duration::from_secs(1));
+    go_tx.send(()).unwrap();
+    let (s, seen) = consumer.join().unwrap();
+    assert_eq!((s.processed, s.acked), (20, 20), "{s:?}");
+    assert_eq!(seen[0], "gate");
+    let expected: Vec<String> = std::iter::once("gate".to_string())
+        .chain((1..20).map(|i| format!("evt-{i}")))
+        .collect();
+    assert_eq!(seen, expected, "handled out of arrival order");
+    // One commit for the lone delivery, then the 19 that queued up during it: one batch, or two if the
+    // broker's forwarding straddled the moment the first commit returned. One delivery per commit would be 20.
+    assert!((2..=3).contains(&s.batches), "{s:?}");
+    assert_eq!(reserved(&db, SCOPE, "P-1"), 20);
 }

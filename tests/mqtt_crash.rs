@@ -18,7 +18,7 @@ const CLIENT: &str = "inv-crash";
 fn consumer(port: u16, db: &Path) -> Consumer {
     let inbox = Inbox::open(db, Config::default()).unwrap();
     let mqtt = MqttConfig::new("127.0.0.1", port, CLIENT).subscribe("orders/#");
-    Consumer::new(inbox, SCOPE, mqtt).batch(20, Duration::from_millis(5))
+    Consumer::new(inbox, SCOPE, mqtt).batch(20, Duration::ZERO)
 }
 
 /// The consumer process the parent kills. Runs only when the parent sets its environment.

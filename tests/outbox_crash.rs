@@ -56,7 +56,7 @@ fn expected_payload(source: &str, n: u32) -> String {
 fn consumer(port: u16, db: &Path) -> Consumer {
     let inbox = Inbox::open(db, Config::default()).unwrap();
     let mqtt = MqttConfig::new("127.0.0.1", port, "outbox-crash-consumer").subscribe("orders/#");
-    Consumer::new(inbox, SCOPE, mqtt).batch(16, Duration::from_millis(5))
+    Consumer::new(inbox, SCOPE, mqtt).batch(16, Duration::ZERO)
 }
 
 fn relay(port: u16, db: &Path) -> Relay {

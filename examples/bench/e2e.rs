@@ -304,7 +304,7 @@ impl E2eContender {
                         // Idle exit only bounds a run that lost deliveries; a complete one stops
                         // itself at the last delivery.
                         let mut consumer = Consumer::new(inbox, super::SCOPE, mqtt)
-                            .batch(batch, Duration::from_millis(5))
+                            .batch(batch, Duration::ZERO)
                             .exit_when_idle(Duration::from_secs(30));
                         let stop = consumer.stop_handle();
                         let mut seen = 0usize;

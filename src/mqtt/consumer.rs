@@ -70,6 +70,9 @@ pub struct RunSummary {
     pub dropped_stale: u64,
     /// Deliveries stored as pending ([`Consumer::receive_only`]), to be applied by workers.
     pub stored: u64,
+    /// Batches committed, each in one transaction (group commit); a batch that failed for good and was
+    /// settled one delivery at a time is not counted.
+    pub batches: u64,
 }
 
 /// One received publish on its way to an ack.
@@ -84,8 +87,10 @@ struct Pending {
 /// A poll thread owns the rumqttc connection and only moves packets: it never touches SQLite and never
 /// waits on an ack. The thread calling [`Consumer::run`] owns the inbox and:
 ///
-/// 1. collects deliveries up to [`Consumer::batch`] size or linger time (never more than the broker's
-///    inflight window, [`MqttConfig::inflight`]);
+/// 1. collects deliveries for one transaction (adaptive group commit, [`Consumer::batch`]): it starts as soon
+///    as one delivery is there and takes along whatever else is already queued, up to the batch size and never
+///    more than the broker's inflight window ([`MqttConfig::inflight`]); the poll thread keeps receiving while a
+///    commit syncs, so what arrives meanwhile forms the next batch;
 /// 2. finds each identity ([`Consumer::extractor`]); a delivery without one, with a malformed envelope or
 ///    over the inbox [`Limits`](crate::Limits) is quarantined ([`Inbox::quarantine`]) and then acked;
 /// 3. runs one [`Inbox::process_batch_into`] (one commit, one fsync);
@@ -128,8 +133,8 @@ impl Consumer {
     /// A consumer for the logical consumer function `scope` (e.g. `inventory-reservation`).
     ///
     /// The default extractor is [`UserProperty`] for MQTT 5 and [`Envelope`](crate::Envelope) for 3.1.1;
-    /// the default batch is 64 deliveries (capped at the inflight window) or 5 ms; a failing handler is
-    /// tried 3 times.
+    /// the default batch is up to 64 deliveries (capped at the inflight window) with no linger; a failing
+    /// handler is tried 3 times.
     pub fn new(inbox: Inbox, scope: impl Into<String>, mqtt: MqttConfig) -> Consumer {
         let extractor: Box<dyn ExtractIdentity> = match mqtt.protocol {
             Protocol::V311 => Box::new(crate::mqtt::extract::Envelope::default()),
@@ -141,7 +146,7 @@ impl Consumer {
             mqtt,
             extractor,
             batch_size: 64,
-            linger: Duration::from_millis(5),
+            linger: Duration::ZERO,
             handler_attempts: 3,
             exit_when_idle: None,
             stop: StopHandle::default(),
@@ -155,8 +160,13 @@ impl Consumer {
         self
     }
 
-    /// Group commit: at most `size` deliveries per transaction, waiting at most `linger` for the batch to
-    /// fill. `size` is capped at the inflight window.
+    /// Group commit: at most `size` deliveries per transaction (capped at the inflight window).
+    ///
+    /// With `linger` zero (the default) a batch is whatever is queued when the previous commit returns: a
+    /// delivery reaching an idle consumer is committed at once, and under load the batches grow by themselves
+    /// because deliveries pile up during each fsync. A non-zero `linger` waits up to that long after the
+    /// first delivery for more; it trades latency for fewer fsyncs when deliveries trickle in just slower
+    /// than one per commit.
     pub fn batch(mut self, size: usize, linger: Duration) -> Self {
         self.batch_size = size.max(1);
         self.linger = linger;
@@ -353,8 +363,8 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    /// Fills `batch` with deliveries of one connection: waits up to 100 ms for the first, then up to
-    /// `linger` for the rest.
+    /// Fills `batch` with deliveries of one connection: waits up to 100 ms for the first, then takes what is
+    /// already queued, waiting up to `linger` (if any) for more.
     fn collect(&mut self, batch: &mut Vec<Pending>, size: usize, linger: Duration) -> Collected {
         batch.clear();
         let mut deadline: Option<Instant> = None;
@@ -365,6 +375,10 @@ impl Run<'_> {
             };
             let next = match self.backlog.pop_front() {
                 Some(e) => Ok(e),
+                None if wait.is_zero() => self.rx.try_recv().map_err(|e| match e {
+                    TryRecvError::Empty => RecvTimeoutError::Timeout,
+                    TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
+                }),
                 None => self.rx.recv_timeout(wait),
             };
             let event = match next {
@@ -516,6 +530,7 @@ impl Run<'_> {
         match committed {
             Tried::GaveUp => all_settled = false,
             Tried::Done(()) => {
+                self.summary.batches += 1;
                 for (k, outcome) in outcomes.drain(..).enumerate() {
                     if !self.settle_one(&deliveries[k], outcome, handler) {
                         all_settled = false;

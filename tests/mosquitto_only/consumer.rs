@@ -20,7 +20,7 @@ fn consumer(
         .protocol(protocol)
         .subscribe("orders/#");
     Consumer::new(inbox, SCOPE, mqtt)
-        .batch(64, Duration::from_millis(5))
+        .batch(64, Duration::ZERO)
         .exit_when_idle(Duration::from_millis(1500))
 }
 
