@@ -313,13 +313,23 @@ impl Shared {
 /// Largest packet MQTT can encode (the maximum Remaining Length plus the fixed header).
 const MQTT_MAX_PACKET: u32 = 268_435_455 + 5;
 
+/// The least room in rumqttc's request channel (PUBACKs, subscriptions, the DISCONNECT).
+const REQUEST_CHANNEL_MIN: usize = 1024;
+
+/// Outgoing publishes a consumer's connection may have in flight: it sends none.
+const CONSUMER_OUTGOING_INFLIGHT: u16 = 1;
+
 /// Creates the client and starts the poll thread, which sends every QoS1 publish and (re)connection to `tx`.
 pub(crate) fn start(
     config: &MqttConfig,
     tx: SyncSender<Event>,
     shared: Arc<Shared>,
 ) -> std::io::Result<(Client, JoinHandle<()>)> {
-    let cap = usize::from(config.inflight) + 16;
+    // rumqttc's request channel carries our PUBACKs. Roomy (it grows only as used) so queueing one almost
+    // never fails: when it is full the consumer must drain deliveries into memory to keep the poll thread
+    // moving, and a broker that sends beyond our Receive Maximum (mosquitto 2.0.11 does, with a queue
+    // behind the window) would then fill that memory instead of waiting in its own socket buffer.
+    let cap = (usize::from(config.inflight) * 4).max(REQUEST_CHANNEL_MIN);
     let topics = config.topics.clone();
     let name = format!("mqtt-poll-{}", config.client_id);
     match config.protocol {
@@ -347,6 +357,9 @@ pub(crate) fn start(
                 .set_keep_alive(config.keep_alive);
             o.set_session_expiry_interval(Some(config.session_expiry));
             o.set_receive_maximum(Some(config.inflight));
+            // The consumer publishes nothing, and rumqttc allocates one slot per outgoing inflight message up
+            // front: its default (65,535 slots) is 14 MiB of resident memory.
+            o.set_outgoing_inflight_upper_limit(CONSUMER_OUTGOING_INFLIGHT);
             o.set_max_packet_size(Some(config.max_packet));
             o.set_transport(config.transport());
             if let Some((u, p)) = &config.credentials {

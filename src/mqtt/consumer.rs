@@ -252,6 +252,8 @@ impl Consumer {
             backlog: VecDeque::new(),
             user_stop: self.stop.clone(),
             receive_only: self.receive_only.is_some(),
+            window,
+            overfed_warned: 0,
         };
         let mut batch: Vec<Pending> = Vec::with_capacity(batch_size);
         let mut last_activity = Instant::now();
@@ -360,6 +362,10 @@ struct Run<'a> {
     backlog: VecDeque<Event>,
     user_stop: StopHandle,
     receive_only: bool,
+    /// The inflight window: how many unacked deliveries the broker may send.
+    window: usize,
+    /// The connection an overfeeding broker was last warned about.
+    overfed_warned: u64,
 }
 
 impl Run<'_> {
@@ -780,10 +786,31 @@ impl Run<'_> {
                 }
             }
             match self.rx.try_recv() {
-                Ok(e) => self.backlog.push_back(e),
+                Ok(e) => {
+                    self.backlog.push_back(e);
+                    self.warn_if_overfed();
+                }
                 Err(TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(1)),
                 Err(TryRecvError::Disconnected) => return false,
             }
+        }
+    }
+}
+
+impl Run<'_> {
+    /// More deliveries held unacked than the inflight window allows: the broker does not wait for our
+    /// PUBACKs (MQTT 5 Receive Maximum, or the 3.1.1 window configured). They are kept in memory until
+    /// committed, so memory grows with the broker's backlog; said once per connection.
+    fn warn_if_overfed(&mut self) {
+        if self.backlog.len() > self.window && self.overfed_warned != self.epoch {
+            self.overfed_warned = self.epoch;
+            log::warn!(
+                "{} deliveries wait unacked in memory, more than the inflight window of {}: the broker does \
+                 not wait for our PUBACKs (it ignores the window), so memory grows with its backlog until \
+                 the commits catch up",
+                self.backlog.len(),
+                self.window
+            );
         }
     }
 }
