@@ -8,7 +8,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use cli_support::{inboxctl, json, json_lines, ok};
-use edge_inbox::{Config, Delivery, Fingerprint, Inbox, Outcome, RetentionPolicy, Tx};
+use edge_inbox::{
+    Config, Delivery, Fingerprint, Inbox, OutboxProperties, Outcome, Qos, RetentionPolicy, Tx,
+};
+use openmetrics_parser::prometheus::parse_prometheus;
+use openmetrics_parser::{PrometheusType, PrometheusValue};
 
 const SCOPE: &str = "inventory-reservation";
 const DAY: i64 = 86_400;
@@ -18,8 +22,11 @@ fn bump(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
     tx.put(d.message_id, &(n + 1)).map_err(anyhow::Error::from)
 }
 
+/// A scope name the Prometheus format must escape (quote, backslash, line feed).
+const ODD_SCOPE: &str = "odd \"scope\" C:\\gw\nline 2";
+
 /// A processed id with a duplicate and a conflict, a quarantined delivery, a dead letter, a pending message,
-/// and a second scope.
+/// and a second scope whose handler published two outbox messages.
 fn populate(path: &Path) -> Inbox {
     let mut inbox = Inbox::open(path, Config::default()).unwrap();
     // Stamped with a send time, as the relay's `sent-at` does: the identity horizon never prunes the identity
@@ -60,8 +67,14 @@ fn populate(path: &Path) -> Inbox {
     let p = Delivery::new(SCOPE, "evt-p", "orders/3", b"pending body").with_sent_at(sent);
     assert!(matches!(inbox.receive(&p).unwrap(), Outcome::Received));
     let o = Delivery::new("audit", "evt-1", "orders/1", b"{\"qty\":1}");
+    let publish_two = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        for topic in ["audit/a", "audit/b"] {
+            tx.publish(topic, d.payload, Qos::AtLeastOnce, &OutboxProperties::new())?;
+        }
+        Ok(())
+    };
     assert!(matches!(
-        inbox.process(&o, bump).unwrap(),
+        inbox.process(&o, publish_two).unwrap(),
         Outcome::Processed
     ));
     inbox
@@ -100,6 +113,8 @@ fn stats_show_and_listings_agree_with_the_library() {
     }
     assert!(s["oldest_pending_age_secs"].is_u64(), "{s}");
     assert_eq!(scope(&stats, "audit")["processed"], 1);
+    assert_eq!(scope(&stats, "audit")["outbox_pending"], 2);
+    assert_eq!(s["outbox_pending"], 0);
     assert!(stats["files"]["db_bytes"].as_u64().unwrap() > 0);
     assert!(
         stats["files"]["wal_bytes"].as_u64().unwrap() > 0,
@@ -240,12 +255,13 @@ fn usage_errors_exit_2_and_operational_errors_exit_1_without_creating_files() {
     ] {
         let out = inboxctl(&missing, args);
         assert_eq!(out.status.code(), Some(1), "{args:?}");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!err.is_empty());
-        // One line, each cause said once.
-        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
-        let links: Vec<&str> = err.trim_end().split(": ").collect();
-        assert!(links.windows(2).all(|w| w[0] != w[1]), "{err}");
+        // One line: the path once, the operating system's reason once.
+        let cause = std::fs::metadata(&missing).unwrap_err().to_string();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            format!("inboxctl: cannot open {}: {cause}\n", missing.display()),
+            "{args:?}"
+        );
         assert!(!missing.exists(), "{args:?} must not create a database");
     }
     let not_db = dir.path().join("notes.txt");
@@ -372,4 +388,365 @@ fn check_reports_settings_and_export_round_trips_payloads() {
     assert_eq!(bodies, vec![b"{bad".to_vec(), b"pending body".to_vec()]);
     let conflicts = json_lines(&path, &["export", "--table", "conflicts"]);
     assert_eq!(conflicts.len(), 1);
+}
+
+/// The per-scope families of `stats --format prometheus`, their types, and the `stats --json` figure of each.
+const SCOPE_FAMILIES: &[(&str, PrometheusType, &str)] = &[
+    (
+        "edge_inbox_processed_total",
+        PrometheusType::Counter,
+        "processed",
+    ),
+    (
+        "edge_inbox_duplicates_total",
+        PrometheusType::Counter,
+        "duplicates",
+    ),
+    (
+        "edge_inbox_conflicts_total",
+        PrometheusType::Counter,
+        "conflicts",
+    ),
+    (
+        "edge_inbox_quarantined_total",
+        PrometheusType::Counter,
+        "quarantined",
+    ),
+    ("edge_inbox_pending", PrometheusType::Gauge, "pending"),
+    (
+        "edge_inbox_oldest_pending_age_seconds",
+        PrometheusType::Gauge,
+        "oldest_pending_age_secs",
+    ),
+    (
+        "edge_inbox_dead_letters",
+        PrometheusType::Gauge,
+        "dead_letters",
+    ),
+    (
+        "edge_inbox_identities_retained",
+        PrometheusType::Gauge,
+        "identities_retained",
+    ),
+    (
+        "edge_inbox_outbox_pending",
+        PrometheusType::Gauge,
+        "outbox_pending",
+    ),
+];
+
+/// One sample of a parsed exposition.
+#[derive(Debug, PartialEq)]
+struct Sample {
+    family: String,
+    kind: PrometheusType,
+    labels: Vec<(String, String)>,
+    value: f64,
+}
+
+/// Every sample, after the parser checked the whole text (families declared once, escapes resolved).
+fn parse(text: &str) -> Vec<Sample> {
+    let exposition = parse_prometheus(text).unwrap_or_else(|e| panic!("{e:?} in\n{text}"));
+    let mut out = Vec::new();
+    for (name, family) in &exposition.families {
+        assert!(!family.help.is_empty(), "{name} has a HELP line");
+        for sample in family.iter_samples() {
+            let value = match &sample.value {
+                PrometheusValue::Counter(c) => c.value.as_f64(),
+                PrometheusValue::Gauge(g) => g.as_f64(),
+                other => panic!("{name}: {other:?}"),
+            };
+            let labels = sample
+                .get_labelset()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            out.push(Sample {
+                family: name.clone(),
+                kind: family.family_type.clone(),
+                labels,
+                value,
+            });
+        }
+    }
+    out
+}
+
+fn sample<'a>(parsed: &'a [Sample], family: &str, scope: Option<&str>) -> Option<&'a Sample> {
+    parsed.iter().find(|s| {
+        s.family == family
+            && s.labels
+                .iter()
+                .find(|(k, _)| k == "scope")
+                .map(|(_, v)| v.as_str())
+                == scope
+    })
+}
+
+#[test]
+fn stats_in_prometheus_format_carry_the_json_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = populate(&path);
+    let odd = Delivery::new(ODD_SCOPE, "evt-1", "orders/1", b"x");
+    assert!(matches!(
+        inbox.process(&odd, bump).unwrap(),
+        Outcome::Processed
+    ));
+    assert!(matches!(
+        inbox.process(&odd, bump).unwrap(),
+        Outcome::Duplicate
+    ));
+
+    // The inbox stays open and idle: its WAL has a size, and nothing changes between the three runs but the
+    // clock, which moves the oldest pending age only forward.
+    let before = json(&path, &["stats"]);
+    let text = ok(&path, &["stats", "--format", "prometheus"]);
+    let after = json(&path, &["stats"]);
+    assert_eq!(
+        json(&path, &["stats", "--format", "json"])["scopes"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+    let parsed = parse(&text);
+    let db = path.display().to_string();
+    let scopes = before["scopes"].as_array().unwrap();
+    assert_eq!(scopes.len(), 3);
+
+    for (family, kind, field) in SCOPE_FAMILIES {
+        let mut samples = 0;
+        for s in scopes {
+            let name = s["scope"].as_str().unwrap();
+            let found = sample(&parsed, family, Some(name));
+            let Some(want) = s[field].as_u64() else {
+                assert!(
+                    s[field].is_null() && found.is_none(),
+                    "{family} {name}: {found:?}"
+                );
+                continue;
+            };
+            let Sample {
+                kind: got_kind,
+                labels,
+                value,
+                ..
+            } = found.unwrap_or_else(|| panic!("{family}{{scope={name:?}}} in\n{text}"));
+            samples += 1;
+            assert_eq!(got_kind, kind, "{family}");
+            assert_eq!(labels.len(), 2, "{labels:?}");
+            assert!(
+                labels.contains(&("db".to_owned(), db.clone())),
+                "{labels:?}"
+            );
+            if *field == "oldest_pending_age_secs" {
+                let later = scope(&after, name)[field].as_u64().unwrap();
+                assert!(
+                    (want..=later).contains(&(*value as u64)),
+                    "{value} not in {want}..={later}"
+                );
+            } else {
+                assert_eq!(*value, want as f64, "{family}{{scope={name:?}}}");
+                assert_eq!(scope(&after, name)[field], s[field], "{field} stays put");
+            }
+        }
+        assert_eq!(
+            parsed.iter().filter(|s| s.family == *family).count(),
+            samples,
+            "{family}: one sample per scope that has the figure"
+        );
+    }
+    // The escaped scope name reads back as it was written.
+    assert_eq!(
+        sample(&parsed, "edge_inbox_duplicates_total", Some(ODD_SCOPE))
+            .unwrap()
+            .value,
+        1.0
+    );
+    assert_eq!(
+        sample(
+            &parsed,
+            "edge_inbox_oldest_pending_age_seconds",
+            Some("audit")
+        ),
+        None,
+        "no pending message, no age"
+    );
+    for (family, field) in [
+        ("edge_inbox_database_bytes", "db_bytes"),
+        ("edge_inbox_wal_bytes", "wal_bytes"),
+    ] {
+        let Sample {
+            kind,
+            labels,
+            value,
+            ..
+        } = sample(&parsed, family, None).unwrap();
+        assert_eq!(*kind, PrometheusType::Gauge);
+        assert_eq!(labels, &vec![("db".to_owned(), db.clone())]);
+        let want = before["files"][field].as_u64().unwrap();
+        assert!(want > 0, "{field}");
+        assert_eq!(*value, want as f64, "{family}");
+    }
+    assert_eq!(parsed.len(), 9 * 3 - 2 + 2, "every sample accounted for");
+    assert_eq!(text.matches("# TYPE ").count(), 11, "one family per figure");
+
+    // --json and --format disagreeing is a usage error.
+    let both = inboxctl(&path, &["--json", "stats", "--format", "prometheus"]);
+    assert_eq!(both.status.code(), Some(2));
+    drop(inbox);
+}
+
+#[test]
+fn stats_output_file_is_replaced_whole_and_leaves_no_temporary_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = Inbox::open(&path, Config::default()).unwrap();
+    for i in 0..5 {
+        let id = format!("evt-{i}");
+        inbox
+            .process(&Delivery::new(SCOPE, &id, "t", b"x"), bump)
+            .unwrap();
+    }
+    drop(inbox);
+    let textfiles = dir.path().join("textfile");
+    std::fs::create_dir(&textfiles).unwrap();
+    let prom = textfiles.join("edge_inbox.prom");
+    std::fs::write(&prom, "stale contents of an earlier run\n").unwrap();
+    let prom_s = prom.to_str().unwrap();
+
+    let printed = ok(&path, &["stats", "--format", "prometheus", "-o", prom_s]);
+    assert_eq!(printed, "", "the file, not standard output");
+    let written = std::fs::read_to_string(&prom).unwrap();
+    // No pending message, so no age: the figures are the same in a second run to standard output.
+    assert_eq!(written, ok(&path, &["stats", "--format", "prometheus"]));
+    assert!(written.ends_with('\n'));
+    let parsed = parse(&written);
+    assert_eq!(
+        sample(&parsed, "edge_inbox_processed_total", Some(SCOPE))
+            .unwrap()
+            .value,
+        5.0
+    );
+    let names: Vec<_> = std::fs::read_dir(&textfiles)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        vec!["edge_inbox.prom".to_owned()],
+        "no temporary file left"
+    );
+
+    // The JSON document goes to a file the same way.
+    let doc = textfiles.join("stats.json");
+    ok(&path, &["--json", "stats", "-o", doc.to_str().unwrap()]);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&doc).unwrap()).unwrap();
+    assert_eq!(scope(&v, SCOPE)["processed"], 5);
+
+    // A directory that is not there: exit 1, nothing created.
+    let nowhere = dir.path().join("missing").join("edge_inbox.prom");
+    let out = inboxctl(
+        &path,
+        &[
+            "stats",
+            "--format",
+            "prometheus",
+            "-o",
+            nowhere.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!dir.path().join("missing").exists());
+}
+
+/// Unix seconds of an RFC 3339 time as the CLI prints it, checked to be UTC with a `Z`.
+fn unix_of(rfc3339: &str) -> i64 {
+    assert!(
+        rfc3339.ends_with('Z') && rfc3339.as_bytes()[10] == b'T',
+        "{rfc3339}"
+    );
+    rfc3339
+        .parse::<jiff::Timestamp>()
+        .unwrap_or_else(|e| panic!("{rfc3339}: {e}"))
+        .as_second()
+}
+
+#[test]
+fn times_are_rfc3339_for_people_and_unix_seconds_beside_them_in_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let start = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    drop(populate(&path));
+    let end = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let when = start..=end;
+
+    for (command, line_has) in [
+        ("conflicts", "evt-1"),
+        ("quarantine", "orders/x"),
+        ("dead-letters", "evt-dl"),
+    ] {
+        let rows = json_lines(&path, &[command]);
+        assert_eq!(rows.len(), 1, "{command}");
+        let (field, unix_field) = if command == "dead-letters" {
+            ("finished_at", "finished_at_unix")
+        } else {
+            ("at", "at_unix")
+        };
+        let unix = rows[0][unix_field]
+            .as_i64()
+            .unwrap_or_else(|| panic!("{unix_field} in {}", rows[0]));
+        assert!(when.contains(&unix), "{command}: {unix} in {when:?}");
+        let rfc = rows[0][field].as_str().unwrap();
+        assert_eq!(unix_of(rfc), unix, "{command}");
+        let human = ok(&path, &[command]);
+        assert!(human.contains(line_has), "{human}");
+        assert!(human.contains(&format!(" at {rfc}")), "{command}: {human}");
+        assert!(
+            !human.contains(&unix.to_string()),
+            "{command}: no raw Unix time for people: {human}"
+        );
+    }
+
+    let seq = json_lines(&path, &["dead-letters"])[0]["seq"]
+        .as_i64()
+        .unwrap()
+        .to_string();
+    let m = json(&path, &["show", "seq", &seq]);
+    for field in ["received_at", "finished_at", "sent_at"] {
+        let unix = m[format!("{field}_unix")].as_i64().unwrap();
+        assert_eq!(unix_of(m[field].as_str().unwrap()), unix, "{field}");
+    }
+    assert!(
+        m["lease_until"].is_null() && m["lease_until_ms"].is_null(),
+        "{m}"
+    );
+    let human = ok(&path, &["show", "seq", &seq]);
+    assert!(
+        human.contains(&format!("received {}", m["received_at"].as_str().unwrap())),
+        "{human}"
+    );
+
+    let id = json(&path, &["show", "id", "--scope", SCOPE, "evt-1"]);
+    let day = id["committed_day_unix"].as_i64().unwrap();
+    assert_eq!(day % DAY, 0);
+    assert!((start - DAY..=end).contains(&day), "{day}");
+    let day_rfc = id["committed_day"].as_str().unwrap();
+    assert!(day_rfc.ends_with("T00:00:00Z"), "{day_rfc}");
+    assert_eq!(unix_of(day_rfc), day);
+    assert!(ok(&path, &["show", "id", "--scope", SCOPE, "evt-1"]).contains(day_rfc));
+
+    let prune = json(&path, &["prune", "--as-of", "1700000000"]);
+    assert_eq!(prune["as_of_unix"], 1_700_000_000);
+    assert_eq!(prune["as_of"], "2023-11-14T22:13:20Z");
+    assert!(ok(&path, &["prune", "--as-of", "1700000000"]).contains("as of 2023-11-14T22:13:20Z"));
 }

@@ -69,6 +69,8 @@ pub struct ScopeReport {
     pub watermark_producers: u64,
     /// Stored message rows in any state.
     pub messages_stored: u64,
+    /// Outbox messages this scope's handlers committed that the relay has not yet had acknowledged.
+    pub outbox_pending: u64,
 }
 
 /// Sizes of the database files on disk, in bytes (0 for a file that does not exist).
@@ -421,6 +423,8 @@ pub fn stats(conn: &Connection, scope: Option<&str>) -> Result<Vec<ScopeReport>>
                 count("SELECT count(*) FROM identities WHERE scope_id = ?1 AND day < 0")?;
             rep.watermark_producers = count("SELECT count(*) FROM watermarks WHERE scope_id = ?1")?;
             rep.messages_stored = count("SELECT count(*) FROM messages WHERE scope_id = ?1")?;
+            rep.outbox_pending =
+                count("SELECT count(*) FROM outbox WHERE scope_id = ?1 AND state = 0")?;
             out.push(rep);
         }
         Ok(out)

@@ -79,10 +79,12 @@ fn open_once(path: &Path, config: &Config) -> Result<Connection> {
 
 /// Opens an existing inbox read-only (for inspection tools). Refuses a missing file or an unknown schema.
 pub fn open_read_only(path: &Path) -> Result<Connection> {
-    if !path.exists() {
+    // The operating system's own reason (missing, or a directory on the way that cannot be searched), before
+    // SQLite's read-only open would report a generic "unable to open".
+    if let Err(source) = std::fs::metadata(path) {
         return Err(Error::Open {
             path: path.to_owned(),
-            source: std::io::ErrorKind::NotFound.into(),
+            source,
         });
     }
     let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;

@@ -5,13 +5,17 @@
 //!
 //! Read-only commands open the file read-only; only `requeue` and `prune --apply` write.
 
-use std::io::{IsTerminal, Write};
+mod output;
+mod prometheus;
+mod times;
+
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use edge_inbox::inspect::{self, ExportRow, FileSizes, Table};
 use edge_inbox::rusqlite::Connection;
 use edge_inbox::{open_read_only, Config, Error, Inbox, Pruning};
@@ -26,7 +30,8 @@ struct Cli {
     /// Path of the inbox database file.
     #[arg(short, long, env = "EDGE_INBOX_DB", global = true)]
     db: Option<PathBuf>,
-    /// Print JSON: one document, or one JSON object per line for listings.
+    /// Print JSON: one document, or one JSON object per line for listings. Times are RFC 3339 (UTC), each
+    /// beside its stored Unix value in a `*_unix` field.
     #[arg(long, global = true)]
     json: bool,
     #[command(subcommand)]
@@ -35,11 +40,18 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Per-scope counters, backlog, dead letters, identities retained, and file sizes.
+    /// Per-scope counters, backlog, dead letters, identities retained, outbox backlog, and file sizes.
     Stats {
         /// Only this scope.
         #[arg(long)]
         scope: Option<String>,
+        /// Output format (`--json` is short for `--format json`).
+        #[arg(long, value_enum)]
+        format: Option<StatsFormat>,
+        /// Write to this file instead of standard output, replacing it atomically (for node_exporter's
+        /// textfile collector: a scrape never sees half a file).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
     },
     /// One identity (scope + optional producer + message id) or one stored message (by seq).
     Show {
@@ -129,6 +141,16 @@ enum ExportTable {
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum StatsFormat {
+    /// For people.
+    Text,
+    /// One JSON document, the same as `--json`.
+    Json,
+    /// The Prometheus text exposition format: one metric family per figure, labelled by db and scope.
+    Prometheus,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum Format {
     /// One JSON object per line; byte strings as hex.
     Jsonl,
@@ -138,6 +160,19 @@ enum Format {
 
 fn main() -> ExitCode {
     let cli = Cli::parse(); // exits with 2 on a usage error
+    if let Command::Stats {
+        format: Some(f), ..
+    } = cli.command
+    {
+        if cli.json && f != StatsFormat::Json {
+            Cli::command()
+                .error(
+                    clap::error::ErrorKind::ArgumentConflict,
+                    "--json asks for --format json; give one of them",
+                )
+                .exit();
+        }
+    }
     init_logging();
     match run(&cli) {
         Ok(code) => code,
@@ -180,28 +215,58 @@ fn db(cli: &Cli) -> anyhow::Result<&Path> {
 }
 
 fn read_only(path: &Path) -> anyhow::Result<Connection> {
-    open_read_only(path).with_context(|| format!("opening {} read-only", path.display()))
+    open_read_only(path).map_err(|e| opening(path, e))
 }
 
 /// Opens for writing, refusing to create a file that is not there (a typo must not make an empty inbox).
 fn writable(path: &Path) -> anyhow::Result<Inbox> {
-    if !path.exists() {
-        bail!("{} does not exist", path.display());
+    // Refuses a missing file, or one that is not an inbox, before the writable open would create it or
+    // install the schema in it.
+    drop(read_only(path)?);
+    Inbox::open(path, Config::default()).map_err(|e| opening(path, e))
+}
+
+/// An error from opening `path`, naming the path once: in front, unless the error already names it.
+fn opening(path: &Path, e: Error) -> anyhow::Error {
+    let shown = path.display().to_string();
+    if e.to_string().contains(&shown) {
+        e.into()
+    } else {
+        anyhow::Error::from(e).context(format!("opening {shown}"))
     }
-    // Refuses a file that is not an inbox before the writable open would install the schema in it.
-    drop(open_read_only(path).with_context(|| format!("opening {}", path.display()))?);
-    Inbox::open(path, Config::default()).with_context(|| format!("opening {}", path.display()))
+}
+
+/// One JSON document, times as RFC 3339 beside their Unix values.
+fn json_text<T: Serialize>(v: &T) -> anyhow::Result<String> {
+    Ok(serde_json::to_string(&times::in_json(
+        serde_json::to_value(v)?,
+    ))?)
 }
 
 fn print_json<T: Serialize>(v: &T) -> anyhow::Result<()> {
-    println!("{}", serde_json::to_string(v)?);
+    println!("{}", json_text(v)?);
     Ok(())
+}
+
+fn producer_prefix(p: Option<&str>) -> String {
+    p.map(|p| format!("{p}/")).unwrap_or_default()
 }
 
 fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
     let path = db(cli)?;
     match &cli.command {
-        Command::Stats { scope } => stats(cli, path, scope.as_deref()),
+        Command::Stats {
+            scope,
+            format,
+            output,
+        } => {
+            let format = match format {
+                Some(f) => *f,
+                None if cli.json => StatsFormat::Json,
+                None => StatsFormat::Text,
+            };
+            stats(path, scope.as_deref(), format, output.as_deref())
+        }
         Command::Show { what } => show(cli, path, what),
         Command::Conflicts(l) => {
             let rows = inspect::conflicts(&read_only(path)?, l.scope.as_deref(), l.limit)?;
@@ -210,15 +275,12 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
                     "#{} {} {}{} topic {:?}: committed {} received {} at {}",
                     c.id,
                     c.scope,
-                    c.producer
-                        .as_deref()
-                        .map(|p| format!("{p}/"))
-                        .unwrap_or_default(),
+                    producer_prefix(c.producer.as_deref()),
                     c.message_id,
                     c.topic,
                     c.stored_fingerprint,
                     c.received_fingerprint,
-                    c.at
+                    times::rfc3339(c.at)
                 )
             })
         }
@@ -231,7 +293,7 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
                     q.scope.as_deref().unwrap_or("-"),
                     q.topic,
                     q.payload_bytes,
-                    q.at,
+                    times::rfc3339(q.at),
                     q.reason
                 )
             })
@@ -240,18 +302,16 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             let rows = inspect::dead_letters(&read_only(path)?, l.scope.as_deref(), l.limit)?;
             listing(cli, &rows, |m| {
                 format!(
-                    "seq {} {} {}{} topic {:?} attempts {} ({}): {}",
+                    "seq {} {} {}{} topic {:?} attempts {} ({}) at {}: {}",
                     m.seq,
                     m.scope,
-                    m.producer
-                        .as_deref()
-                        .map(|p| format!("{p}/"))
-                        .unwrap_or_default(),
+                    producer_prefix(m.producer.as_deref()),
                     m.message_id,
                     m.topic,
                     m.attempts,
                     m.body_bytes
                         .map_or("body pruned".to_owned(), |b| format!("{b} bytes")),
+                    times::rfc3339(m.finished_at.unwrap_or(m.received_at)),
                     m.last_error.as_deref().unwrap_or("")
                 )
             })
@@ -275,7 +335,7 @@ fn listing<T: Serialize>(
     let mut out = std::io::stdout().lock();
     for r in rows {
         if cli.json {
-            writeln!(out, "{}", serde_json::to_string(r)?)?;
+            writeln!(out, "{}", json_text(r)?)?;
         } else {
             writeln!(out, "{}", line(r))?;
         }
@@ -293,28 +353,47 @@ struct StatsDoc {
     scopes: Vec<inspect::ScopeReport>,
 }
 
-fn stats(cli: &Cli, path: &Path, scope: Option<&str>) -> anyhow::Result<ExitCode> {
+fn stats(
+    path: &Path,
+    scope: Option<&str>,
+    format: StatsFormat,
+    output: Option<&Path>,
+) -> anyhow::Result<ExitCode> {
     let conn = read_only(path)?;
     let doc = StatsDoc {
         path: path.display().to_string(),
         scopes: inspect::stats(&conn, scope)?,
         files: FileSizes::of(path),
     };
-    if cli.json {
-        print_json(&doc)?;
-        return Ok(ExitCode::SUCCESS);
+    let text = match format {
+        StatsFormat::Text => stats_text(&doc),
+        StatsFormat::Json => json_text(&doc)? + "\n",
+        StatsFormat::Prometheus => prometheus::render(&doc.path, &doc.files, &doc.scopes),
+    };
+    match output {
+        Some(file) => output::write_atomically(file, text.as_bytes())?,
+        None => std::io::stdout().lock().write_all(text.as_bytes())?,
     }
-    println!(
+    Ok(ExitCode::SUCCESS)
+}
+
+fn stats_text(doc: &StatsDoc) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
         "{}: database {} bytes, WAL {} bytes",
         doc.path, doc.files.db_bytes, doc.files.wal_bytes
     );
     for s in &doc.scopes {
-        println!("scope {}", s.scope);
-        println!(
+        let _ = writeln!(out, "scope {}", s.scope);
+        let _ = writeln!(
+            out,
             "  processed {}  duplicates {}  conflicts {}  handler failures {}  quarantined {}  expired {}",
             s.processed, s.duplicates, s.conflicts, s.handler_failures, s.quarantined, s.expired
         );
-        println!(
+        let _ = writeln!(
+            out,
             "  pending {}  failed {}  in flight {}  oldest pending {}  dead letters {} (ever {})",
             s.pending,
             s.failed,
@@ -324,7 +403,8 @@ fn stats(cli: &Cli, path: &Path, scope: Option<&str>) -> anyhow::Result<ExitCode
             s.dead_letters,
             s.dead_lettered
         );
-        println!(
+        let _ = writeln!(
+            out,
             "  identities retained {}  watermark producers {}  messages stored {}  pruned: {} identities, {} payloads",
             s.identities_retained,
             s.watermark_producers,
@@ -332,15 +412,16 @@ fn stats(cli: &Cli, path: &Path, scope: Option<&str>) -> anyhow::Result<ExitCode
             s.identities_pruned,
             s.payloads_pruned
         );
-        println!(
-            "  sequence conflicts {}  identities without send time {} (never pruned)  re-dated {}",
-            s.sequence_conflicts, s.identities_undated, s.identities_restamped
+        let _ = writeln!(
+            out,
+            "  sequence conflicts {}  identities without send time {} (never pruned)  re-dated {}  outbox pending {}",
+            s.sequence_conflicts, s.identities_undated, s.identities_restamped, s.outbox_pending
         );
     }
     if doc.scopes.is_empty() {
-        println!("(no scopes)");
+        let _ = writeln!(out, "(no scopes)");
     }
-    Ok(ExitCode::SUCCESS)
+    out
 }
 
 fn show(cli: &Cli, path: &Path, what: &Show) -> anyhow::Result<ExitCode> {
@@ -358,16 +439,16 @@ fn show(cli: &Cli, path: &Path, what: &Show) -> anyhow::Result<ExitCode> {
                 println!(
                     "{} {}{}: {} (hash {})",
                     rep.scope,
-                    rep.producer
-                        .as_deref()
-                        .map(|p| format!("{p}/"))
-                        .unwrap_or_default(),
+                    producer_prefix(rep.producer.as_deref()),
                     rep.message_id,
                     rep.status,
                     rep.id_hash
                 );
                 if let (Some(fp), Some(day)) = (&rep.fingerprint, rep.committed_day) {
-                    println!("  fingerprint {fp}, committed on day starting {day}");
+                    println!(
+                        "  fingerprint {fp}, committed during the UTC day starting {}",
+                        times::rfc3339(day)
+                    );
                 }
                 match &rep.message {
                     Some(m) => print_message(m),
@@ -405,6 +486,17 @@ fn print_message(m: &inspect::MessageReport) {
         m.attempts,
         m.claims
     );
+    let mut when = format!("  received {}", times::rfc3339(m.received_at));
+    if let Some(t) = m.sent_at {
+        when += &format!(", sent {}", times::rfc3339(t));
+    }
+    if let Some(t) = m.finished_at {
+        when += &format!(", finished {}", times::rfc3339(t));
+    }
+    if let (Some(owner), Some(ms)) = (&m.lease_owner, m.lease_until_ms) {
+        when += &format!(", leased by {owner} until {}", times::rfc3339_ms(ms));
+    }
+    println!("{when}");
     if let Some(e) = &m.last_error {
         println!("  last error: {e}");
     }
@@ -474,7 +566,7 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
     if apply {
         let mut inbox = writable(path)?;
         let opts = Pruning::default().as_of(now);
-        let mut progress = Progress::new("pruning", None);
+        let progress = output::progress("pruning", None);
         let mut total = Pruned {
             payloads: 0,
             dead_letters: 0,
@@ -499,12 +591,12 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
             total.identities += step.identities_pruned;
             total.pages_reclaimed += step.pages_reclaimed;
             total.steps += step.steps;
-            progress.set(total.payloads + total.dead_letters + total.identities);
+            progress.set_position(total.payloads + total.dead_letters + total.identities);
             if step.done {
                 break;
             }
         }
-        progress.finish();
+        progress.finish_and_clear();
         doc.pruned = Some(total);
     }
     if cli.json {
@@ -525,7 +617,10 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
             "pruned {} payloads, {} dead letters, {} identities; {} pages reclaimed in {} steps",
             p.payloads, p.dead_letters, p.identities, p.pages_reclaimed, p.steps
         ),
-        None => println!("dry run: nothing deleted (use --apply to prune)"),
+        None => println!(
+            "dry run as of {}: nothing deleted (use --apply to prune)",
+            times::rfc3339(doc.as_of)
+        ),
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -600,7 +695,7 @@ fn export(
         )),
         None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
     };
-    let mut progress = Progress::new("exporting", Some(inspect::count(&conn, table)?));
+    let progress = output::progress("exporting", Some(inspect::count(&conn, table)?));
     let mut done = 0;
     let n = inspect::export(&conn, table, |row: ExportRow| -> anyhow::Result<()> {
         match format {
@@ -611,52 +706,13 @@ fn export(
             Format::Cbor => ciborium::into_writer(&row, &mut out)?,
         }
         done += 1;
-        progress.set(done);
+        progress.set_position(done);
         Ok(())
     })?;
     out.flush()?;
-    progress.finish();
+    progress.finish_and_clear();
     if output.is_some() {
         eprintln!("exported {n} row(s)");
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// A one-line progress counter on stderr, shown only when stderr is a terminal (never in pipes or logs).
-struct Progress {
-    label: &'static str,
-    total: Option<u64>,
-    on: bool,
-    last: Instant,
-    shown: bool,
-}
-
-impl Progress {
-    fn new(label: &'static str, total: Option<u64>) -> Progress {
-        Progress {
-            label,
-            total,
-            on: std::io::stderr().is_terminal(),
-            last: Instant::now(),
-            shown: false,
-        }
-    }
-
-    fn set(&mut self, done: u64) {
-        if !self.on || self.last.elapsed() < Duration::from_millis(200) {
-            return;
-        }
-        self.last = Instant::now();
-        self.shown = true;
-        match self.total {
-            Some(t) => eprint!("\r{}: {done}/{t}", self.label),
-            None => eprint!("\r{}: {done}", self.label),
-        }
-    }
-
-    fn finish(&mut self) {
-        if self.shown {
-            eprintln!();
-        }
-    }
 }
