@@ -7,41 +7,107 @@
 //!
 //! ```text
 //! inventory run --broker HOST:PORT --db PATH [--client-id ID] [--topic FILTER] [--exit-when-idle SECS]
+//!               [--username NAME [--password-file FILE]] [--tls-ca FILE]
+//!               [--receive-only [--workers N]] [--announce]
 //! inventory report --db PATH
-//! inventory                      # demo: own local broker, seed events, consume, report
+//! inventory [run [--db PATH] [--receive-only [--workers N]] [--announce]]   # demo: own local broker
 //! ```
 //!
-//! `report` prints `{"reserved":{"A-1":3,...},"processed":N,"duplicates":N,"conflicts":N,"quarantined":N}`
-//! from the durable counters. Without `--broker` the example starts mosquitto (from `PATH` or
-//! `/usr/sbin/mosquitto`) on a free loopback port, or, where mosquitto is not installed, a broker inside this
-//! process, and publishes the seed's events: a redelivery, a conflicting reuse of an id and a message without
-//! an id included.
+//! `run` consumes until SIGINT/SIGTERM (the batch in flight is committed and acked first), or, with
+//! `--exit-when-idle SECS`, until nothing has arrived for SECS and nothing is left to do (below).
+//!
+//! - `--username NAME`: log in as NAME. The password comes from the environment variable `MQTT_PASSWORD` or
+//!   from `--password-file FILE` (its contents, one trailing newline removed; the file wins over the
+//!   variable), and is required with a user name. There is deliberately no `--password`: a command-line
+//!   value is visible to every user of the machine. The password is never logged (the connection settings
+//!   are logged with it redacted).
+//! - `--tls-ca FILE`: connect over TLS, trusting the CA certificates in FILE (PEM); the broker's certificate
+//!   must name HOST.
+//! - `--receive-only`: each delivery is stored as *pending* and acked once that commit is durable; `N`
+//!   worker threads (`--workers`, default 1) apply the stored events with the same handler, each tried up to
+//!   3 times before it is dead-lettered. With `--exit-when-idle` the run also waits until no stored event
+//!   is left to apply (pending or waiting for a retry) before it exits.
+//! - `--announce`: each applied event also publishes `{"order":42,"sku":"A-1","qty":1,"kind":"created"}` on
+//!   `stock/reserved/<order>` (QoS1) through the outbox: recorded in the same commit as the reservation,
+//!   sent after it by a relay thread of this process (its own connection, client id `<ID>-relay`), at least
+//!   once, with the user property `message-id` derived from the event's id (the same on every resend), plus
+//!   `producer` and `sent-at`. A duplicate, a conflict, a dead letter or a quarantined delivery announces
+//!   nothing. With `--exit-when-idle` the run also waits until every announcement is confirmed by the
+//!   broker, giving up with a warning (the next run sends the rest) once none was confirmed for SECS or
+//!   10 s, whichever is longer.
+//!
+//! `report` prints, from the durable counters and tables:
+//!
+//! ```text
+//! {"reserved":{"A-1":3,...},"processed":N,"duplicates":N,"conflicts":N,"quarantined":N,
+//!  "pending":N,"dead_letters":N,"outbox_unsent":N}
+//! ```
+//!
+//! (one line) where `pending` counts stored events not yet applied (`--receive-only`; pending or waiting for
+//! a retry), `dead_letters` the events the handler refused for good, kept for an operator (`inboxctl
+//! dead-letters`, `requeue`), and `outbox_unsent` the announcements committed and not yet confirmed by the
+//! broker (parked ones included).
+//!
+//! Without `--broker` the example starts mosquitto (from `PATH` or `/usr/sbin/mosquitto`) on a free loopback
+//! port, or, where mosquitto is not installed, a broker inside this process, and publishes the seed's
+//! events: a redelivery, a conflicting reuse of an id and a message without an id included.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use edge_inbox::{Config, Consumer, Delivery, Inbox, MqttConfig, Tx};
+use edge_inbox::{
+    BacklogThreshold, Config, Consumer, Delivery, Inbox, MqttConfig, OutboxProperties, Qos, Relay,
+    StopHandle, Tls, Tx, Worker, WorkerConfig,
+};
 
 mod support;
 
 const SCOPE: &str = "inventory-reservation";
 
-/// The whole business logic: one handler.
-fn reserve(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
+const USAGE: &str = "usage: inventory run --broker HOST:PORT --db PATH [--client-id ID] [--topic FILTER] \
+                     [--exit-when-idle SECS]\n                     [--username NAME [--password-file FILE]] \
+                     [--tls-ca FILE] [--receive-only [--workers N]] [--announce]\n       \
+                     inventory report --db PATH";
+
+/// The whole business logic: one handler. With `announce`, the reservation is also announced through the
+/// outbox, in the same transaction.
+fn reserve(tx: &mut Tx<'_>, d: &Delivery<'_>, announce: bool) -> anyhow::Result<()> {
     let event: serde_json::Value =
         serde_json::from_slice(d.payload).context("payload is not JSON")?;
     let sku = event["sku"].as_str().context("no sku")?;
     let qty = event["qty"].as_i64().context("no qty")?;
-    let delta = match event["kind"].as_str() {
-        Some("created") => qty,
-        Some("cancelled") => -qty,
+    let (kind, delta) = match event["kind"].as_str() {
+        Some("created") => ("created", qty),
+        Some("cancelled") => ("cancelled", -qty),
         other => bail!("unknown kind {other:?}"),
     };
     let key = format!("reserved/{sku}");
     let reserved: i64 = tx.get(&key)?.unwrap_or(0);
     tx.put(&key, &(reserved + delta))?;
+    if announce {
+        let order = event["order"].as_u64().context("no order number")?;
+        // Written by hand to keep the documented key order.
+        let body = format!(
+            r#"{{"order":{order},"sku":{},"qty":{qty},"kind":"{kind}"}}"#,
+            serde_json::Value::from(sku)
+        );
+        tx.publish(
+            &format!("stock/reserved/{order}"),
+            body.as_bytes(),
+            Qos::AtLeastOnce,
+            &OutboxProperties::new().content_type("application/json"),
+        )?;
+    }
     Ok(())
+}
+
+/// The handler for this run's mode.
+fn handler(announce: bool) -> impl FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()> + Send {
+    move |tx: &mut Tx<'_>, d: &Delivery<'_>| reserve(tx, d, announce)
 }
 
 struct RunArgs {
@@ -50,13 +116,20 @@ struct RunArgs {
     client_id: String,
     topic: String,
     exit_when_idle: Option<u64>,
+    /// User name and password; the password never comes from the command line.
+    credentials: Option<(String, String)>,
+    /// CA certificates (PEM) for a TLS connection.
+    tls_ca: Option<Vec<u8>>,
+    /// Worker threads when receiving only; `None`: apply on receipt.
+    workers: Option<usize>,
+    announce: bool,
 }
 
 fn main() -> anyhow::Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
-        None => demo(None),
+        None => demo(parse_run(&[])?),
         Some("run") => {
             let run = parse_run(&args[1..])?;
             match run.broker.clone() {
@@ -65,7 +138,10 @@ fn main() -> anyhow::Result<()> {
                     consume(&broker, &db, &run)?;
                     Ok(())
                 }
-                None => demo(run.db),
+                None if run.credentials.is_some() || run.tls_ca.is_some() => {
+                    bail!("--username and --tls-ca are for a broker given with --broker HOST:PORT")
+                }
+                None => demo(run),
             }
         }
         Some("report") => {
@@ -76,10 +152,7 @@ fn main() -> anyhow::Result<()> {
             println!("{}", report(&db)?);
             Ok(())
         }
-        Some(other) => bail!(
-            "unknown command {other:?}\nusage: inventory run --broker HOST:PORT --db PATH [--client-id ID] \
-             [--topic FILTER] [--exit-when-idle SECS]\n       inventory report --db PATH"
-        ),
+        Some(other) => bail!("unknown command {other:?}\n{USAGE}"),
     }
 }
 
@@ -90,7 +163,15 @@ fn parse_run(args: &[String]) -> anyhow::Result<RunArgs> {
         client_id: "inventory-reservation-1".into(),
         topic: "orders/#".into(),
         exit_when_idle: None,
+        credentials: None,
+        tls_ca: None,
+        workers: None,
+        announce: false,
     };
+    let mut username = None;
+    let mut password_file: Option<PathBuf> = None;
+    let mut receive_only = false;
+    let mut workers = None;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
         let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
@@ -102,10 +183,81 @@ fn parse_run(args: &[String]) -> anyhow::Result<RunArgs> {
             "--exit-when-idle" => {
                 run.exit_when_idle = Some(value()?.parse().context("--exit-when-idle SECS")?)
             }
-            other => bail!("unknown option {other:?}"),
+            "--username" => username = Some(value()?.clone()),
+            "--password-file" => password_file = Some(PathBuf::from(value()?)),
+            "--tls-ca" => {
+                let path = value()?;
+                run.tls_ca = Some(
+                    std::fs::read(path).with_context(|| format!("--tls-ca: cannot read {path}"))?,
+                );
+            }
+            "--receive-only" => receive_only = true,
+            "--workers" => {
+                let n: usize = value()?.parse().context("--workers N")?;
+                if n == 0 {
+                    bail!("--workers N: at least 1");
+                }
+                workers = Some(n);
+            }
+            "--announce" => run.announce = true,
+            "--password" => bail!(
+                "--password is not accepted: a command-line value is visible to every user of the machine; \
+                 set MQTT_PASSWORD or use --password-file FILE"
+            ),
+            other => bail!("unknown option {other:?}\n{USAGE}"),
         }
     }
+    if workers.is_some() && !receive_only {
+        bail!("--workers N is for --receive-only");
+    }
+    if receive_only {
+        run.workers = Some(workers.unwrap_or(1));
+    }
+    let password = match password_file {
+        Some(path) => Some(read_password(&path)?),
+        None => std::env::var("MQTT_PASSWORD").ok(),
+    };
+    run.credentials = match (username, password) {
+        (Some(user), Some(password)) => Some((user, password)),
+        (Some(_), None) => {
+            bail!("--username needs a password: set MQTT_PASSWORD or use --password-file FILE")
+        }
+        // MQTT_PASSWORD alone may be meant for another program: only a file given here is an error.
+        (None, Some(_)) if args.iter().any(|a| a == "--password-file") => {
+            bail!("--password-file needs --username NAME")
+        }
+        (None, _) => None,
+    };
     Ok(run)
+}
+
+/// The password in `path`: its contents without one trailing newline. The error never shows the contents.
+fn read_password(path: &Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--password-file: cannot read {}", path.display()))?;
+    let password = text
+        .strip_suffix('\n')
+        .map(|t| t.strip_suffix('\r').unwrap_or(t))
+        .unwrap_or(&text);
+    if password.is_empty() {
+        bail!("--password-file: {} is empty", path.display());
+    }
+    Ok(password.to_owned())
+}
+
+/// The broker connection of this run for `client_id` (the consumer's, or the relay's).
+fn mqtt_config(host: &str, port: u16, client_id: &str, run: &RunArgs) -> MqttConfig {
+    let mut mqtt = MqttConfig::new(host, port, client_id);
+    if let Some((user, password)) = &run.credentials {
+        mqtt = mqtt.credentials(user, password);
+    }
+    if let Some(ca_pem) = &run.tls_ca {
+        mqtt = mqtt.tls(Tls {
+            ca_pem: ca_pem.clone(),
+            client_auth: None,
+        });
+    }
+    mqtt
 }
 
 /// Consumes until SIGINT/SIGTERM (or idle, with `--exit-when-idle`).
@@ -113,8 +265,11 @@ fn consume(broker: &str, db: &Path, run: &RunArgs) -> anyhow::Result<edge_inbox:
     let (host, port) = broker.rsplit_once(':').context("--broker HOST:PORT")?;
     let port: u16 = port.parse().context("--broker HOST:PORT")?;
     let inbox = Inbox::open(db, Config::default())?;
-    let mqtt = MqttConfig::new(host, port, &run.client_id).subscribe(&run.topic);
+    let mqtt = mqtt_config(host, port, &run.client_id, run).subscribe(&run.topic);
     let mut consumer = Consumer::new(inbox, SCOPE, mqtt).handler_attempts(3);
+    if run.workers.is_some() {
+        consumer = consumer.receive_only(BacklogThreshold::default());
+    }
     if let Some(secs) = run.exit_when_idle {
         consumer = consumer.exit_when_idle(Duration::from_secs(secs));
     }
@@ -122,7 +277,134 @@ fn consume(broker: &str, db: &Path, run: &RunArgs) -> anyhow::Result<edge_inbox:
     // The batch in flight is finished, committed and acked before the consumer returns.
     signal_hook::flag::register(signal_hook::consts::SIGINT, stop.flag())?;
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.flag())?;
-    Ok(consumer.run(reserve)?)
+
+    // The relay reads the outbox through its own connection to the file, and its own client id.
+    let relay = if run.announce {
+        Some(Relay::start(
+            Inbox::open(db, Config::default())?,
+            mqtt_config(host, port, &format!("{}-relay", run.client_id), run),
+        )?)
+    } else {
+        None
+    };
+    let workers = Workers::start(db, run.workers.unwrap_or(0), run.announce)?;
+    let summary = consumer.run(handler(run.announce));
+    // Idle: what was received is applied (and announced) before the exit; a signal skips the waits.
+    let idle = run.exit_when_idle.map(Duration::from_secs);
+    let drained = match idle {
+        Some(_) if summary.is_ok() && !workers.is_empty() => workers.drain(db, &stop),
+        _ => Ok(()),
+    };
+    let stopped = workers.stop();
+    if let (Some(idle), Some(relay), true) = (idle, &relay, summary.is_ok() && drained.is_ok()) {
+        wait_for_outbox(db, relay, &stop, idle.max(Duration::from_secs(10)))?;
+    }
+    if let Some(relay) = relay {
+        log::info!("relay stopped: {:?}", relay.stop());
+    }
+    drained?;
+    stopped?;
+    Ok(summary?)
+}
+
+/// The worker threads of `--receive-only`, each on its own connection.
+struct Workers {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<edge_inbox::Result<edge_inbox::Drained>>>,
+}
+
+impl Workers {
+    fn start(db: &Path, n: usize, announce: bool) -> anyhow::Result<Workers> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::with_capacity(n);
+        for i in 0..n {
+            // A lease left by a killed run makes its events claimable again after 10 s.
+            let config = WorkerConfig::default()
+                .lease(Duration::from_secs(10))
+                .max_attempts(3)
+                .backoff(Duration::from_millis(50), Duration::from_secs(1));
+            let mut worker = Worker::open(db, Config::default(), SCOPE, config)?;
+            let stop = stop.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("inventory-worker-{i}"))
+                    .spawn(move || worker.run_until(&stop, &mut handler(announce)))?,
+            );
+        }
+        Ok(Workers { stop, threads })
+    }
+
+    fn is_empty(&self) -> bool {
+        self.threads.is_empty()
+    }
+
+    /// Waits until no stored event is left to apply, or a signal, or a worker ended by itself (an error,
+    /// reported by [`Workers::stop`]).
+    fn drain(&self, db: &Path, stop: &StopHandle) -> anyhow::Result<()> {
+        let inbox = Inbox::open(db, Config::default())?;
+        let mut said = false;
+        while !stop.is_stopped() && !self.threads.iter().any(|t| t.is_finished()) {
+            let backlog = inbox.backlog(SCOPE)?;
+            let left = backlog.pending + backlog.failed;
+            if left == 0 {
+                break;
+            }
+            if !said {
+                log::info!("idle: waiting for {left} stored event(s) to be applied");
+                said = true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    fn stop(self) -> anyhow::Result<()> {
+        self.stop.store(true, Ordering::SeqCst);
+        let mut failed = None;
+        for t in self.threads {
+            match t.join() {
+                Ok(Ok(drained)) => log::info!("worker stopped: {drained:?}"),
+                Ok(Err(e)) => failed = Some(anyhow::Error::new(e).context("a worker stopped")),
+                Err(_) => failed = Some(anyhow::anyhow!("a worker thread panicked")),
+            }
+        }
+        failed.map_or(Ok(()), Err)
+    }
+}
+
+/// Waits until the relay has sent every announcement, a signal, or `patience` without a confirmation.
+fn wait_for_outbox(
+    db: &Path,
+    relay: &Relay,
+    stop: &StopHandle,
+    patience: Duration,
+) -> anyhow::Result<()> {
+    let inbox = Inbox::open(db, Config::default())?;
+    let mut confirmed = relay.stats().confirmed;
+    let mut progress = Instant::now();
+    let mut said = false;
+    while !stop.is_stopped() {
+        let unsent = inbox.outbox_backlog()?.pending;
+        if unsent == 0 {
+            break;
+        }
+        if !said {
+            log::info!("idle: waiting for {unsent} announcement(s) to be confirmed by the broker");
+            said = true;
+        }
+        let now = relay.stats().confirmed;
+        if now != confirmed {
+            (confirmed, progress) = (now, Instant::now());
+        } else if progress.elapsed() >= patience || !relay.is_running() {
+            log::warn!(
+                "{unsent} announcement(s) not confirmed by the broker after {patience:?} without progress; \
+                 the next run sends them"
+            );
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
 }
 
 fn report(db: &Path) -> anyhow::Result<String> {
@@ -143,24 +425,33 @@ fn report(db: &Path) -> anyhow::Result<String> {
         reserved.insert(sku, qty.into());
     }
     let stats = inbox.scope_stats(SCOPE)?;
+    let backlog = inbox.backlog(SCOPE)?;
+    let outbox = inbox.outbox_backlog()?;
     // Written by hand to keep the documented key order.
     Ok(format!(
-        r#"{{"reserved":{},"processed":{},"duplicates":{},"conflicts":{},"quarantined":{}}}"#,
+        r#"{{"reserved":{},"processed":{},"duplicates":{},"conflicts":{},"quarantined":{},"pending":{},"dead_letters":{},"outbox_unsent":{}}}"#,
         serde_json::Value::Object(reserved),
         stats.processed,
         stats.duplicates,
         stats.conflicts,
-        stats.quarantined
+        stats.quarantined,
+        backlog.pending + backlog.failed,
+        backlog.dead_letters,
+        outbox.pending + outbox.parked
     ))
 }
 
-/// The seed's scenario end to end on this machine.
-fn demo(db: Option<PathBuf>) -> anyhow::Result<()> {
+/// The seed's scenario end to end on this machine, in the mode `mode` asks for (`--receive-only`,
+/// `--workers`, `--announce`; its database, if given).
+fn demo(mode: RunArgs) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     // Started as root, mosquitto drops to its own user; it only needs to read its config here.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))?;
-    let db = db.unwrap_or_else(|| dir.path().join("inventory.db"));
+    let db = mode
+        .db
+        .clone()
+        .unwrap_or_else(|| dir.path().join("inventory.db"));
     let broker = support::LocalBroker::start(dir.path())?;
     let addr = broker.addr();
     eprintln!(
@@ -174,6 +465,7 @@ fn demo(db: Option<PathBuf>) -> anyhow::Result<()> {
         client_id: "inventory-demo".into(),
         topic: "orders/#".into(),
         exit_when_idle: Some(1),
+        ..mode
     };
     // First connection: the broker now keeps a persistent session with our subscription.
     consume(&addr, &db, &run)?;

@@ -4,10 +4,13 @@
 
 mod broker;
 mod common;
+mod inventory_support;
 mod outbox_support;
 
 #[path = "mosquitto_only/consumer.rs"]
 mod consumer;
+#[path = "mosquitto_only/inventory.rs"]
+mod inventory;
 #[path = "mosquitto_only/relay.rs"]
 mod relay;
 #[path = "mosquitto_only/tls.rs"]
@@ -42,6 +45,14 @@ fn main() {
         (
             "tls::tls_with_password_consumes_and_a_wrong_password_never_connects",
             tls::tls_with_password_consumes_and_a_wrong_password_never_connects,
+        ),
+        (
+            "inventory::tls_and_a_password_from_a_file_or_the_environment_connect_and_the_password_is_never_logged",
+            inventory::tls_and_a_password_from_a_file_or_the_environment_connect_and_the_password_is_never_logged,
+        ),
+        (
+            "inventory::an_idle_exit_waits_until_the_broker_is_back_and_confirmed_every_announcement",
+            inventory::an_idle_exit_waits_until_the_broker_is_back_and_confirmed_every_announcement,
         ),
     ])
 }
