@@ -122,6 +122,14 @@
 //! Each commit with `synchronous=FULL` costs at least one fsync, which bounds a consumer at the device's
 //! fsync rate. [`Inbox::process_batch`] puts many deliveries in one transaction, each in its own savepoint
 //! (a failing handler undoes only its own delivery), and returns outcomes in input order: one fsync per batch.
+//! A batch of one (and [`Inbox::process`]) runs without a savepoint: a failing handler rolls the whole
+//! transaction back.
+//!
+//! The per-scope counters ([`Inbox::scope_stats`]) are exact and durable without a page of their own in the
+//! common case: a delivery processed through a new identity row writes no counter, because `processed` is
+//! derived from the scope's identity rows (kept in step by every other path that adds or prunes identity
+//! rows, in the same transaction). Reading it counts those rows, which is cheap for an operator's poll and
+//! not meant for every delivery.
 //!
 //! ## Durability
 //!
