@@ -13,6 +13,8 @@
 //! inventory [run [--db PATH] [--receive-only [--workers N]] [--announce]]   # demo: own local broker
 //! ```
 //!
+//! `inventory --help`, `inventory run --help` and `inventory report --help` describe every flag.
+//!
 //! `run` consumes until SIGINT/SIGTERM (the batch in flight is committed and acked first), or, with
 //! `--exit-when-idle SECS`, until nothing has arrived for SECS and nothing is left to do (below).
 //!
@@ -68,11 +70,6 @@ mod support;
 
 const SCOPE: &str = "inventory-reservation";
 
-const USAGE: &str = "usage: inventory run --broker HOST:PORT --db PATH [--client-id ID] [--topic FILTER] \
-                     [--exit-when-idle SECS]\n                     [--username NAME [--password-file FILE]] \
-                     [--tls-ca FILE] [--receive-only [--workers N]] [--announce]\n       \
-                     inventory report --db PATH";
-
 /// The whole business logic: one handler. With `announce`, the reservation is also announced through the
 /// outbox, in the same transaction.
 fn reserve(tx: &mut Tx<'_>, d: &Delivery<'_>, announce: bool) -> anyhow::Result<()> {
@@ -110,6 +107,95 @@ fn handler(announce: bool) -> impl FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::
     move |tx: &mut Tx<'_>, d: &Delivery<'_>| reserve(tx, d, announce)
 }
 
+/// Stock reservation from order events, exactly once in effect. Without a command: the demo, on a local
+/// broker of its own (as `run` without flags).
+#[derive(clap::Parser)]
+// A repeated flag is not an error: the last one wins.
+#[command(name = "inventory", args_override_self = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(clap::Subcommand)]
+enum Command {
+    /// Consume order events until SIGINT/SIGTERM (or idle). Without --broker: the demo, on a local broker
+    /// of its own, in the mode the other flags ask for.
+    Run(Box<RunFlags>),
+    /// Print the reservations and the durable counters of a database, as one JSON line.
+    Report {
+        /// The inbox database (SQLite file).
+        #[arg(long, value_name = "PATH")]
+        db: PathBuf,
+    },
+}
+
+const DEFAULT_CLIENT_ID: &str = "inventory-reservation-1";
+const DEFAULT_TOPIC: &str = "orders/#";
+
+/// `run`'s flags as given; [`run_args`] checks them.
+#[derive(clap::Args)]
+struct RunFlags {
+    /// The MQTT broker to consume from. Without it, the demo runs on a local broker of its own.
+    #[arg(long, value_name = "HOST:PORT")]
+    broker: Option<String>,
+    /// The inbox database (SQLite file); required with --broker. For the demo: instead of a temporary one.
+    #[arg(long, value_name = "PATH")]
+    db: Option<PathBuf>,
+    /// The MQTT client id; the broker keeps this run's persistent session under it.
+    #[arg(long, value_name = "ID", default_value = DEFAULT_CLIENT_ID)]
+    client_id: String,
+    /// The topic filter to subscribe to.
+    #[arg(long, value_name = "FILTER", default_value = DEFAULT_TOPIC)]
+    topic: String,
+    /// Exit once nothing has arrived for SECS and nothing is left to apply or to announce.
+    #[arg(long, value_name = "SECS")]
+    exit_when_idle: Option<u64>,
+    /// Log in as NAME; the password comes from MQTT_PASSWORD or --password-file (never from the command
+    /// line) and is never logged.
+    #[arg(long, value_name = "NAME")]
+    username: Option<String>,
+    /// Read the password for --username from FILE (one trailing newline removed); wins over MQTT_PASSWORD.
+    #[arg(long, value_name = "FILE")]
+    password_file: Option<PathBuf>,
+    /// Connect over TLS, trusting the CA certificates (PEM) in FILE; the broker's certificate must name HOST.
+    #[arg(long, value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
+    /// Store each delivery as pending and ack it once that commit is durable; worker threads apply it.
+    #[arg(long)]
+    receive_only: bool,
+    /// Worker threads applying the stored events (with --receive-only; at least 1) [default: 1].
+    #[arg(long, value_name = "N")]
+    workers: Option<usize>,
+    /// Also publish each applied event on stock/reserved/<order> (QoS1) through the outbox.
+    #[arg(long)]
+    announce: bool,
+    /// Refused with an explanation (see `run_args`), whether or not a value follows.
+    #[arg(long, hide = true, num_args = 0..=1, value_name = "REFUSED")]
+    password: Option<Option<String>>,
+}
+
+impl Default for RunFlags {
+    /// `run` without flags, which is what no command means.
+    fn default() -> Self {
+        RunFlags {
+            broker: None,
+            db: None,
+            client_id: DEFAULT_CLIENT_ID.into(),
+            topic: DEFAULT_TOPIC.into(),
+            exit_when_idle: None,
+            username: None,
+            password_file: None,
+            tls_ca: None,
+            receive_only: false,
+            workers: None,
+            announce: false,
+            password: None,
+        }
+    }
+}
+
+/// A checked `run`: what the consumer, the workers and the relay need.
 struct RunArgs {
     broker: Option<String>,
     db: Option<PathBuf>,
@@ -127,11 +213,10 @@ struct RunArgs {
 
 fn main() -> anyhow::Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        None => demo(parse_run(&[])?),
-        Some("run") => {
-            let run = parse_run(&args[1..])?;
+    let cli = <Cli as clap::Parser>::parse();
+    match cli.command.unwrap_or_else(|| Command::Run(Box::default())) {
+        Command::Run(flags) => {
+            let run = run_args(*flags)?;
             match run.broker.clone() {
                 Some(broker) => {
                     let db = run.db.clone().context("--db PATH is required")?;
@@ -144,91 +229,61 @@ fn main() -> anyhow::Result<()> {
                 None => demo(run),
             }
         }
-        Some("report") => {
-            let db = match args.get(1..) {
-                Some([flag, path]) if flag == "--db" => PathBuf::from(path),
-                _ => bail!("usage: inventory report --db PATH"),
-            };
+        Command::Report { db } => {
             println!("{}", report(&db)?);
             Ok(())
         }
-        Some(other) => bail!("unknown command {other:?}\n{USAGE}"),
     }
 }
 
-fn parse_run(args: &[String]) -> anyhow::Result<RunArgs> {
-    let mut run = RunArgs {
-        broker: None,
-        db: None,
-        client_id: "inventory-reservation-1".into(),
-        topic: "orders/#".into(),
-        exit_when_idle: None,
-        credentials: None,
-        tls_ca: None,
-        workers: None,
-        announce: false,
-    };
-    let mut username = None;
-    let mut password_file: Option<PathBuf> = None;
-    let mut receive_only = false;
-    let mut workers = None;
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--broker" => run.broker = Some(value()?.clone()),
-            "--db" => run.db = Some(PathBuf::from(value()?)),
-            "--client-id" => run.client_id = value()?.clone(),
-            "--topic" => run.topic = value()?.clone(),
-            "--exit-when-idle" => {
-                run.exit_when_idle = Some(value()?.parse().context("--exit-when-idle SECS")?)
-            }
-            "--username" => username = Some(value()?.clone()),
-            "--password-file" => password_file = Some(PathBuf::from(value()?)),
-            "--tls-ca" => {
-                let path = value()?;
-                run.tls_ca = Some(
-                    std::fs::read(path).with_context(|| format!("--tls-ca: cannot read {path}"))?,
-                );
-            }
-            "--receive-only" => receive_only = true,
-            "--workers" => {
-                let n: usize = value()?.parse().context("--workers N")?;
-                if n == 0 {
-                    bail!("--workers N: at least 1");
-                }
-                workers = Some(n);
-            }
-            "--announce" => run.announce = true,
-            "--password" => bail!(
-                "--password is not accepted: a command-line value is visible to every user of the machine; \
-                 set MQTT_PASSWORD or use --password-file FILE"
-            ),
-            other => bail!("unknown option {other:?}\n{USAGE}"),
-        }
+/// Checks `run`'s flags together, reads the CA file and the password.
+fn run_args(flags: RunFlags) -> anyhow::Result<RunArgs> {
+    if flags.password.is_some() {
+        bail!(
+            "--password is not accepted: a command-line value is visible to every user of the machine; \
+             set MQTT_PASSWORD or use --password-file FILE"
+        );
     }
-    if workers.is_some() && !receive_only {
+    let tls_ca = match &flags.tls_ca {
+        Some(path) => Some(
+            std::fs::read(path)
+                .with_context(|| format!("--tls-ca: cannot read {}", path.display()))?,
+        ),
+        None => None,
+    };
+    if flags.workers == Some(0) {
+        bail!("--workers N: at least 1");
+    }
+    if flags.workers.is_some() && !flags.receive_only {
         bail!("--workers N is for --receive-only");
     }
-    if receive_only {
-        run.workers = Some(workers.unwrap_or(1));
-    }
-    let password = match password_file {
-        Some(path) => Some(read_password(&path)?),
+    let workers = flags.receive_only.then(|| flags.workers.unwrap_or(1));
+    let password = match &flags.password_file {
+        Some(path) => Some(read_password(path)?),
         None => std::env::var("MQTT_PASSWORD").ok(),
     };
-    run.credentials = match (username, password) {
+    let credentials = match (flags.username, password) {
         (Some(user), Some(password)) => Some((user, password)),
         (Some(_), None) => {
             bail!("--username needs a password: set MQTT_PASSWORD or use --password-file FILE")
         }
         // MQTT_PASSWORD alone may be meant for another program: only a file given here is an error.
-        (None, Some(_)) if args.iter().any(|a| a == "--password-file") => {
+        (None, Some(_)) if flags.password_file.is_some() => {
             bail!("--password-file needs --username NAME")
         }
         (None, _) => None,
     };
-    Ok(run)
+    Ok(RunArgs {
+        broker: flags.broker,
+        db: flags.db,
+        client_id: flags.client_id,
+        topic: flags.topic,
+        exit_when_idle: flags.exit_when_idle,
+        credentials,
+        tls_ca,
+        workers,
+        announce: flags.announce,
+    })
 }
 
 /// The password in `path`: its contents without one trailing newline. The error never shows the contents.

@@ -191,6 +191,48 @@ fn misused_flags_are_refused_before_connecting_and_a_password_is_never_taken_fro
     assert!(!db.exists(), "a refused run created the database");
 }
 
+#[test]
+fn help_exits_0_and_documents_every_command_and_flag_but_the_refused_password() {
+    let help = |args: &[&str]| {
+        let out = spawn(args).success(Duration::from_secs(60));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let top = help(&["--help"]);
+    for command in ["run", "report"] {
+        assert!(
+            top.lines().any(|l| l.trim_start().starts_with(command)),
+            "{command}:\n{top}"
+        );
+    }
+    let run = help(&["run", "--help"]);
+    for flag in [
+        "--broker <HOST:PORT>",
+        "--db <PATH>",
+        "--client-id <ID>",
+        "--topic <FILTER>",
+        "--exit-when-idle <SECS>",
+        "--username <NAME>",
+        "--password-file <FILE>",
+        "--tls-ca <FILE>",
+        "--receive-only",
+        "--workers <N>",
+        "--announce",
+    ] {
+        let line = run.lines().find(|l| l.trim_start().starts_with(flag));
+        // Documented: the flag's line says more than the flag.
+        assert!(
+            line.is_some_and(|l| l.trim().len() > flag.len() + 10),
+            "{flag}:\n{run}"
+        );
+    }
+    assert!(
+        run.contains("[default: inventory-reservation-1]") && run.contains("[default: orders/#]"),
+        "{run}"
+    );
+    assert!(!run.contains("--password <"), "{run}");
+    assert!(help(&["report", "--help"]).contains("--db <PATH>"));
+}
+
 /// The seed's kinds of input: applied events, a redelivery, a conflicting reuse of an id, a handler failure
 /// (dead-lettered) and a message without an id (quarantined), plus `bulk` more events for the workers.
 fn mixed_events(base: u64, bulk: u64) -> Vec<Msg> {
