@@ -14,6 +14,7 @@ use std::sync::Arc;
 use rusqlite::{Connection, OptionalExtension, Statement};
 
 use crate::store::error::{Error, Result};
+use crate::store::wal_watch::WalWatch;
 
 /// Statements of the hot path. They borrow the boxed connection of their [`Db`] (hence the `'static`
 /// lifetime, which never escapes this module) and are dropped before it.
@@ -53,6 +54,8 @@ pub(crate) struct Db {
     /// (device, inode) of the WAL file this connection writes, once seen: a file recreated at the same path
     /// (another connection opening the database after the deletion) is not ours.
     wal_id: Cell<Option<(u64, u64)>>,
+    /// Says when the WAL's path may have changed, so that a `stat` is needed (see [`WalWatch`]).
+    wal_watch: Option<WalWatch>,
     /// Commits at least this slow are logged.
     pub(crate) slow_commit: Option<std::time::Duration>,
     /// Shared with the connection's commit and rollback hooks: see [`HandlerGuard`].
@@ -116,6 +119,7 @@ impl Db {
             .path()
             .filter(|p| !p.is_empty())
             .map(|p| std::path::PathBuf::from(format!("{p}-wal")));
+        let wal_watch = wal.as_deref().map(WalWatch::new);
         let conn = NonNull::from(Box::leak(Box::new(conn)));
         // SAFETY: the allocation lives until `Drop`, which releases every statement first; no `'static`
         // statement or reference is ever handed out of this module.
@@ -142,6 +146,7 @@ impl Db {
                 relaxed: Cell::new(false),
                 outbox: Default::default(),
                 wal,
+                wal_watch,
                 wal_id: Cell::new(None),
                 slow_commit: None,
                 guard,
@@ -257,13 +262,17 @@ impl Db {
     }
 
     /// True when the WAL file is gone from its path while this connection has it open (someone deleted it).
-    /// Frames committed since then live only in the unlinked file and vanish if the process dies. One `stat`,
-    /// no allocation for ordinary path lengths: negligible beside the commit's fsync.
+    /// Frames committed since then live only in the unlinked file and vanish if the process dies. A `stat`
+    /// once, then only when the directory watch says the path may have changed (always, without a watch).
     pub(crate) fn wal_unlinked(&self) -> bool {
         use std::os::unix::fs::MetadataExt;
         let Some(path) = self.wal.as_deref() else {
             return false;
         };
+        let known = self.wal_id.get().is_some();
+        if known && !self.wal_watch.as_ref().is_none_or(WalWatch::maybe_changed) {
+            return false;
+        }
         let Ok(meta) = std::fs::symlink_metadata(path) else {
             return true;
         };

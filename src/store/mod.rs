@@ -10,3 +10,4 @@ pub(crate) mod outcome;
 pub(crate) mod schema;
 pub(crate) mod state;
 pub(crate) mod txn;
+pub(crate) mod wal_watch;

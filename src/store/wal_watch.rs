@@ -1,0 +1,235 @@
+//! Noticing that the WAL file was deleted or renamed underneath an open connection, cheaply enough to ask after
+//! every commit.
+//!
+//! The direct question, a `stat` of the WAL path, is a few microseconds of CPU, but on ext4 any attribute read
+//! of the WAL inode between two commits made each following `fsync` measurably slower (one delivery per
+//! transaction on a virtio disk ran at 0.70x of the same commits without it, the same with `fstat` of an open
+//! descriptor). On Linux an inotify watch on the WAL's directory answers instead: the kernel queues the event
+//! inside `unlink`/`rename` itself, so a non-blocking read after the commit sees every removal that happened
+//! before it, and touches no inode. Only when the watch reports something about the WAL's name (or cannot
+//! be trusted: queue overflow, the directory itself moved) does the caller fall back to the `stat`. Where
+//! inotify is missing or its instances are used up, every commit asks `stat`, as before.
+
+use std::path::Path;
+
+/// A watch for removals of one file name in one directory.
+pub(crate) struct WalWatch {
+    #[cfg(target_os = "linux")]
+    inner: Option<linux::Watch>,
+}
+
+impl WalWatch {
+    /// Watches the directory of `wal`; a watch that cannot be set up answers "ask stat" every time.
+    pub(crate) fn new(wal: &Path) -> WalWatch {
+        #[cfg(target_os = "linux")]
+        {
+            WalWatch {
+                inner: linux::Watch::new(wal),
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            let _ = wal;
+            WalWatch {}
+        }
+    }
+
+    /// False only when the WAL's path certainly still names the file it named when the watch was set up;
+    /// true means "ask stat".
+    pub(crate) fn maybe_changed(&self) -> bool {
+        #[cfg(target_os = "linux")]
+        {
+            match &self.inner {
+                Some(w) => w.maybe_changed(),
+                None => true,
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            true
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod linux {
+    use std::cell::Cell;
+    use std::ffi::OsString;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+    use std::path::Path;
+
+    /// A name removed from the directory or replaced by a rename onto it, or the directory itself going away.
+    const MASK: u32 = libc::IN_DELETE
+        | libc::IN_MOVED_FROM
+        | libc::IN_MOVED_TO
+        | libc::IN_DELETE_SELF
+        | libc::IN_MOVE_SELF;
+    /// Events that make the watch blind: treat as "changed".
+    const BLIND: u32 = libc::IN_Q_OVERFLOW
+        | libc::IN_IGNORED
+        | libc::IN_DELETE_SELF
+        | libc::IN_MOVE_SELF
+        | libc::IN_UNMOUNT;
+    const HEADER: usize = std::mem::size_of::<libc::inotify_event>();
+
+    pub(super) struct Watch {
+        fd: OwnedFd,
+        name: OsString,
+        /// Set for good once an event concerned the WAL or the watch went blind: from then on every check
+        /// says "ask stat", as without a watch.
+        tripped: Cell<bool>,
+    }
+
+    impl Watch {
+        pub(super) fn new(wal: &Path) -> Option<Watch> {
+            let name = wal.file_name()?.to_os_string();
+            let dir = match wal.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => Path::new("."),
+            };
+            let dir = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+            // SAFETY: plain syscalls; the descriptor is owned by `OwnedFd` from here on.
+            unsafe {
+                let fd = libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC);
+                if fd < 0 {
+                    log::debug!(
+                        "no inotify instance ({}): the WAL is checked with stat after every commit",
+                        std::io::Error::last_os_error()
+                    );
+                    return None;
+                }
+                let fd = OwnedFd::from_raw_fd(fd);
+                if libc::inotify_add_watch(fd.as_raw_fd(), dir.as_ptr(), MASK | libc::IN_ONLYDIR)
+                    < 0
+                {
+                    log::debug!(
+                        "cannot watch the WAL's directory ({}): the WAL is checked with stat after every commit",
+                        std::io::Error::last_os_error()
+                    );
+                    return None;
+                }
+                Some(Watch {
+                    fd,
+                    name,
+                    tripped: Cell::new(false),
+                })
+            }
+        }
+
+        /// Drains the queued events; true if one of them (or an earlier one) may concern the WAL.
+        pub(super) fn maybe_changed(&self) -> bool {
+            if self.tripped.get() {
+                return true;
+            }
+            let changed = self.drain();
+            if changed {
+                self.tripped.set(true);
+            }
+            changed
+        }
+
+        fn drain(&self) -> bool {
+            // Room for several events with names up to NAME_MAX; aligned as the kernel writes them.
+            #[repr(C, align(8))]
+            struct Buf([u8; 4096]);
+            let mut buf = Buf([0; 4096]);
+            let mut changed = false;
+            loop {
+                // SAFETY: reads at most `buf.0.len()` bytes into `buf`.
+                let n = unsafe {
+                    libc::read(self.fd.as_raw_fd(), buf.0.as_mut_ptr().cast(), buf.0.len())
+                };
+                if n < 0 {
+                    let e = std::io::Error::last_os_error();
+                    return match e.kind() {
+                        std::io::ErrorKind::WouldBlock => changed,
+                        std::io::ErrorKind::Interrupted => continue,
+                        _ => true,
+                    };
+                }
+                let n = n as usize;
+                if n == 0 {
+                    return true;
+                }
+                let mut at = 0;
+                while at + HEADER <= n {
+                    // SAFETY: the kernel wrote a whole `inotify_event` header at `at` (reads are whole events).
+                    let ev: libc::inotify_event =
+                        unsafe { std::ptr::read_unaligned(buf.0.as_ptr().add(at).cast()) };
+                    let len = ev.len as usize;
+                    let name = &buf.0[(at + HEADER).min(n)..(at + HEADER + len).min(n)];
+                    let name = name.split(|&b| b == 0).next().unwrap_or(&[]);
+                    if ev.mask & BLIND != 0 || name == self.name.as_bytes() {
+                        changed = true;
+                    }
+                    at += HEADER + len;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::WalWatch;
+
+    fn setup() -> (tempfile::TempDir, std::path::PathBuf, WalWatch) {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = dir.path().join("inbox.db-wal");
+        std::fs::write(&wal, b"frames").unwrap();
+        let watch = WalWatch::new(&wal);
+        assert!(
+            watch.inner.is_some(),
+            "inotify is available on the test machine"
+        );
+        (dir, wal, watch)
+    }
+
+    #[test]
+    fn quiet_directory_and_other_names_need_no_stat() {
+        let (dir, wal, watch) = setup();
+        assert!(!watch.maybe_changed());
+        std::fs::write(&wal, b"more frames").unwrap();
+        let other = dir.path().join("inbox.db-journal");
+        std::fs::write(&other, b"x").unwrap();
+        std::fs::remove_file(&other).unwrap();
+        std::fs::write(dir.path().join("a"), b"x").unwrap();
+        std::fs::rename(dir.path().join("a"), dir.path().join("b")).unwrap();
+        assert!(!watch.maybe_changed());
+    }
+
+    #[test]
+    fn deleting_the_wal_trips_the_watch_for_good() {
+        let (_dir, wal, watch) = setup();
+        std::fs::remove_file(&wal).unwrap();
+        assert!(watch.maybe_changed());
+        // Recreated or not, from now on every check asks stat.
+        std::fs::write(&wal, b"new file").unwrap();
+        assert!(watch.maybe_changed());
+        assert!(watch.maybe_changed());
+    }
+
+    #[test]
+    fn renaming_the_wal_away_or_another_file_onto_it_trips_the_watch() {
+        let (dir, wal, watch) = setup();
+        std::fs::rename(&wal, dir.path().join("moved")).unwrap();
+        assert!(watch.maybe_changed());
+
+        let (dir, wal, watch) = setup();
+        let other = dir.path().join("other");
+        std::fs::write(&other, b"impostor").unwrap();
+        assert!(!watch.maybe_changed());
+        std::fs::rename(&other, &wal).unwrap();
+        assert!(watch.maybe_changed());
+    }
+
+    #[test]
+    fn moving_the_directory_trips_the_watch() {
+        let (dir, _wal, watch) = setup();
+        let moved = dir.path().with_extension("moved");
+        std::fs::rename(dir.path(), &moved).unwrap();
+        assert!(watch.maybe_changed());
+        std::fs::rename(&moved, dir.path()).unwrap();
+    }
+}
