@@ -51,6 +51,47 @@ pub(crate) fn open(path: &Path, config: &Config) -> Result<Connection> {
     }
 }
 
+/// Waits for a lock held by another connection in short sleeps, up to `timeout`.
+///
+/// SQLite's own busy timeout sleeps 1, 2, 5, 10, 15, 20, 25 ms...: a single-delivery commit that meets a
+/// prune step holding the write lock for a millisecond waited 1 ms at least, and 3 or 8 ms after a second or
+/// third try, so its latency was set by the sleep table, not by the lock. These sleeps start at 25 µs and
+/// double up to 1 ms; the total is counted the same way, from the retry count (the handler keeps no state).
+fn install_busy_handler(conn: &Connection, timeout: std::time::Duration) -> rusqlite::Result<()> {
+    use std::os::raw::{c_int, c_void};
+    /// The sleep before retry `count` (0-based), in microseconds: 25, 50, ... 800, then 1000.
+    fn delay_us(count: u64) -> u64 {
+        (25u64 << count.min(6)).min(1_000)
+    }
+    /// The sleeps before retry `count`, in total.
+    fn waited_us(count: u64) -> u64 {
+        (0..count.min(6)).map(delay_us).sum::<u64>() + count.saturating_sub(6) * 1_000
+    }
+    unsafe extern "C" fn on_busy(arg: *mut c_void, count: c_int) -> c_int {
+        let timeout_us = arg as usize as u64;
+        let count = u64::try_from(count).unwrap_or(0);
+        let delay = delay_us(count);
+        if waited_us(count) + delay > timeout_us {
+            return 0;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(delay));
+        1
+    }
+    let timeout_us = u64::try_from(timeout.as_micros()).unwrap_or(u64::MAX);
+    // The timeout travels in the pointer argument itself: nothing to keep alive or free.
+    let arg = usize::try_from(timeout_us).unwrap_or(usize::MAX) as *mut c_void;
+    // SAFETY: `on_busy` never unwinds and reads nothing through `arg`; the handle is this open connection's.
+    let rc = unsafe { rusqlite::ffi::sqlite3_busy_handler(conn.handle(), Some(on_busy), arg) };
+    if rc == rusqlite::ffi::SQLITE_OK {
+        Ok(())
+    } else {
+        Err(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rc),
+            None,
+        ))
+    }
+}
+
 fn open_once(path: &Path, config: &Config) -> Result<Connection> {
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = match &config.vfs {
@@ -58,8 +99,7 @@ fn open_once(path: &Path, config: &Config) -> Result<Connection> {
         Some(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs.as_str()),
     }
     .map_err(|e| classify_open(e, path))?;
-    conn.busy_timeout(config.busy_timeout)
-        .map_err(Error::from)?;
+    install_busy_handler(&conn, config.busy_timeout).map_err(Error::from)?;
     // Room for the core's statements plus a handler's own cached ones, so neither evicts the other.
     conn.set_prepared_statement_cache_capacity(64);
 
