@@ -37,7 +37,21 @@ fn crash_child() {
     } else {
         c = c.exit_when_idle(Duration::from_secs(600));
     }
-    let s = c.run(inventory_handler).unwrap();
+    // With a marker path, the delivery `hold` keeps its batch's transaction open (marker written, then a long
+    // sleep): the parent publishes more meanwhile, which the poll thread gathers as the next batch, and kills.
+    let hold = std::env::var_os("EDGE_INBOX_CRASH_HOLD");
+    let s = c
+        .run(
+            |tx: &mut edge_inbox::Tx<'_>, d: &edge_inbox::Delivery<'_>| -> anyhow::Result<()> {
+                inventory_handler(tx, d)?;
+                if let (Some(marker), "hold") = (&hold, d.message_id) {
+                    std::fs::write(marker, b"in flight")?;
+                    std::thread::sleep(Duration::from_secs(120));
+                }
+                Ok(())
+            },
+        )
+        .unwrap();
     println!("child summary: {s:?}");
 }
 
@@ -52,9 +66,16 @@ impl Drop for Guard {
 }
 
 fn spawn_child(port: u16, db: &Path, idle: Option<u64>) -> Guard {
+    spawn_child_with(port, db, idle, None)
+}
+
+fn spawn_child_with(port: u16, db: &Path, idle: Option<u64>, hold: Option<&Path>) -> Guard {
     let mut cmd = common::child_command("crash_child");
     cmd.env("EDGE_INBOX_CRASH_PORT", port.to_string())
         .env("EDGE_INBOX_CRASH_DB", db);
+    if let Some(marker) = hold {
+        cmd.env("EDGE_INBOX_CRASH_HOLD", marker);
+    }
     if let Some(idle) = idle {
         cmd.env("EDGE_INBOX_CRASH_IDLE", idle.to_string());
     }
@@ -188,4 +209,54 @@ fn kill9_consumer_at_random_moments_loses_and_doubles_nothing() {
     }
     // Repeats plus redeliveries after kills were all recognised.
     assert!(st.duplicates >= (total as u64 - distinct), "{st:?}");
+}
+
+/// kill -9 while a batch's transaction is open and the next batch is being gathered behind it (the adaptive
+/// group commit's pipeline): nothing of either may have been acked, so after a restart every event is
+/// applied exactly once. An ack sent before its commit would lose that event here (the broker would not
+/// redeliver it).
+#[test]
+fn kill9_while_a_pipelined_commit_is_in_flight_loses_and_doubles_nothing() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let marker = dir.path().join("in-flight");
+    let s = consumer(broker.port, &db)
+        .exit_when_idle(Duration::from_millis(300))
+        .run(inventory_handler)
+        .unwrap();
+    assert!(s.connections >= 1);
+
+    let event = |i: u32, id: &str| {
+        Msg::new(
+            &format!("orders/{i}"),
+            Some(id),
+            format!(r#"{{"order":{i},"sku":"P-9","qty":1,"kind":"created"}}"#),
+        )
+    };
+    let child = spawn_child_with(broker.port, &db, None, Some(&marker));
+    // A few before the held one (they may share its batch), then the held one.
+    let mut first: Vec<Msg> = (1..5u32).map(|i| event(i, &format!("evt-{i}"))).collect();
+    first.push(event(5, "hold"));
+    publish_v5(broker.port, &first);
+    assert!(
+        common::wait_for_file(&marker, Duration::from_secs(60)),
+        "the held delivery never reached its handler"
+    );
+    // Delivered while the transaction is open: the poll thread hands them over as the next batch.
+    let more: Vec<Msg> = (6..40u32).map(|i| event(i, &format!("evt-{i}"))).collect();
+    publish_v5(broker.port, &more);
+    std::thread::sleep(Duration::from_millis(500));
+    drop(child); // SIGKILL, mid-transaction, with the next batch gathered
+
+    let mut last = spawn_child(broker.port, &db, Some(3));
+    let exited = common::wait_for(Duration::from_secs(120), || last.0.try_wait().unwrap());
+    assert!(
+        exited.is_some_and(|s| s.success()),
+        "final consumer did not finish: {exited:?}"
+    );
+    let inbox = Inbox::open(&db, Config::default()).unwrap();
+    let st = inbox.scope_stats(SCOPE).unwrap();
+    assert_eq!(st.processed, 39, "every event applied exactly once: {st:?}");
+    assert_eq!(reserved(&db, SCOPE, "P-9"), 39);
 }
