@@ -767,3 +767,40 @@ fn a_deferred_constraint_refused_at_commit_fails_only_its_delivery() {
     let s = inbox.scope_stats(SCOPE).unwrap();
     assert_eq!((s.processed, s.handler_failures), (2, 1));
 }
+
+/// The inbox waits for another connection's write lock up to its busy timeout, in short sleeps: a lock
+/// released within the timeout is waited for, one held longer gives `Busy`, and not before the timeout.
+#[test]
+fn lock_waits_last_the_busy_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let timeout = Duration::from_millis(300);
+    let mut inbox = Inbox::open(&path, Config::default().busy_timeout(timeout)).unwrap();
+    inbox.scope_id(SCOPE).unwrap();
+
+    let other = Connection::open(&path).unwrap();
+    other.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let started = std::time::Instant::now();
+    match inbox.process(&Delivery::new(SCOPE, "held", "t", b"A-1"), bump) {
+        Err(Error::Busy { .. }) => {}
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() >= timeout,
+        "gave up after {:?}, before the timeout",
+        started.elapsed()
+    );
+
+    // Released a little after the wait began: the same call succeeds.
+    let releaser = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        other.execute_batch("ROLLBACK").unwrap();
+    });
+    assert!(matches!(
+        inbox
+            .process(&Delivery::new(SCOPE, "held", "t", b"A-1"), bump)
+            .unwrap(),
+        Outcome::Processed
+    ));
+    releaser.join().unwrap();
+}

@@ -56,31 +56,39 @@ pub(crate) fn open(path: &Path, config: &Config) -> Result<Connection> {
 /// SQLite's own busy timeout sleeps 1, 2, 5, 10, 15, 20, 25 ms...: a single-delivery commit that meets a
 /// prune step holding the write lock for a millisecond waited 1 ms at least, and 3 or 8 ms after a second or
 /// third try, so its latency was set by the sleep table, not by the lock. These sleeps start at 25 µs and
-/// double up to 1 ms; the total is counted the same way, from the retry count (the handler keeps no state).
+/// double up to 1 ms, and the timeout is measured on the clock (a coarse timer stretches short sleeps).
+/// The timeout travels in the handler's pointer argument; on 32-bit targets it is capped at about 71
+/// minutes.
 fn install_busy_handler(conn: &Connection, timeout: std::time::Duration) -> rusqlite::Result<()> {
+    use std::cell::Cell;
     use std::os::raw::{c_int, c_void};
-    /// The sleep before retry `count` (0-based), in microseconds: 25, 50, ... 800, then 1000.
-    fn delay_us(count: u64) -> u64 {
-        (25u64 << count.min(6)).min(1_000)
-    }
-    /// The sleeps before retry `count`, in total.
-    fn waited_us(count: u64) -> u64 {
-        (0..count.min(6)).map(delay_us).sum::<u64>() + count.saturating_sub(6) * 1_000
+    use std::time::{Duration, Instant};
+    thread_local! {
+        // When the current wait began. SQLite calls the handler on the thread running the statement, with
+        // `count` 0 at the start of every wait, and one wait never interleaves with another on a thread.
+        static WAIT_START: Cell<Option<Instant>> = const { Cell::new(None) };
     }
     unsafe extern "C" fn on_busy(arg: *mut c_void, count: c_int) -> c_int {
-        let timeout_us = arg as usize as u64;
-        let count = u64::try_from(count).unwrap_or(0);
-        let delay = delay_us(count);
-        if waited_us(count) + delay > timeout_us {
+        let timeout = Duration::from_micros(arg as usize as u64);
+        let now = Instant::now();
+        let start = if count <= 0 {
+            WAIT_START.with(|s| s.set(Some(now)));
+            now
+        } else {
+            WAIT_START.with(|s| s.get()).unwrap_or(now)
+        };
+        let left = timeout.saturating_sub(now.duration_since(start));
+        if left.is_zero() {
             return 0;
         }
-        std::thread::sleep(std::time::Duration::from_micros(delay));
+        let step = u32::try_from(count).unwrap_or(0).min(6);
+        let delay = Duration::from_micros((25u64 << step).min(1_000));
+        std::thread::sleep(delay.min(left));
         1
     }
     let timeout_us = u64::try_from(timeout.as_micros()).unwrap_or(u64::MAX);
-    // The timeout travels in the pointer argument itself: nothing to keep alive or free.
     let arg = usize::try_from(timeout_us).unwrap_or(usize::MAX) as *mut c_void;
-    // SAFETY: `on_busy` never unwinds and reads nothing through `arg`; the handle is this open connection's.
+    // SAFETY: `on_busy` never unwinds and never dereferences `arg`; the handle is this open connection's.
     let rc = unsafe { rusqlite::ffi::sqlite3_busy_handler(conn.handle(), Some(on_busy), arg) };
     if rc == rusqlite::ffi::SQLITE_OK {
         Ok(())

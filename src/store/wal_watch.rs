@@ -5,17 +5,31 @@
 //! of the WAL inode between two commits made each following `fsync` measurably slower (one delivery per
 //! transaction on a virtio disk ran at 0.70x of the same commits without it, the same with `fstat` of an open
 //! descriptor). On Linux an inotify watch on the WAL's directory answers instead: the kernel queues the event
-//! inside `unlink`/`rename` itself, so a non-blocking read after the commit sees every removal that happened
-//! before it, and touches no inode. Only when the watch reports something about the WAL's name (or cannot
-//! be trusted: queue overflow, the directory itself moved) does the caller fall back to the `stat`. Where
-//! inotify is missing or its instances are used up, every commit asks `stat`, as before.
+//! inside `unlink`/`rename` itself, so a non-blocking read after the commit sees every removal or rename of the
+//! WAL's name made through this kernel before it, and touches no inode. When the watch reports something about
+//! the name (or cannot be trusted: queue overflow, the directory itself moved), and in any case once a second,
+//! the caller asks `stat`.
+//!
+//! inotify does not see changes made outside this kernel (network and FUSE file systems, a host editing a
+//! shared directory), nor a directory mounted over: the watch is used only on local file systems (ext2/3/4,
+//! xfs, btrfs, f2fs, tmpfs, UBIFS, JFFS2), at most [`MAX_WATCHES`] per process (inotify instances are a
+//! per-user resource other daemons need too). Elsewhere every commit asks `stat`, as without a watch.
 
+use std::cell::Cell;
 use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Watches this process keeps at most; connections beyond them check with `stat` after every commit.
+pub(crate) const MAX_WATCHES: usize = 16;
+
+/// Even with a quiet watch, a `stat` this often: a backstop for what inotify cannot see.
+const BACKSTOP: Duration = Duration::from_secs(1);
 
 /// A watch for removals of one file name in one directory.
 pub(crate) struct WalWatch {
     #[cfg(target_os = "linux")]
     inner: Option<linux::Watch>,
+    last_stat: Cell<Instant>,
 }
 
 impl WalWatch {
@@ -25,29 +39,34 @@ impl WalWatch {
         {
             WalWatch {
                 inner: linux::Watch::new(wal),
+                last_stat: Cell::new(Instant::now()),
             }
         }
         #[cfg(not(target_os = "linux"))]
         {
             let _ = wal;
-            WalWatch {}
+            WalWatch {
+                last_stat: Cell::new(Instant::now()),
+            }
         }
     }
 
-    /// False only when the WAL's path certainly still names the file it named when the watch was set up;
-    /// true means "ask stat".
+    /// False when no removal or rename of the WAL's name was seen since the watch was set up and the last
+    /// `stat` is less than a second old; true means "ask stat".
     pub(crate) fn maybe_changed(&self) -> bool {
         #[cfg(target_os = "linux")]
-        {
-            match &self.inner {
-                Some(w) => w.maybe_changed(),
-                None => true,
-            }
-        }
+        let seen = match &self.inner {
+            Some(w) => w.maybe_changed(),
+            None => true,
+        };
         #[cfg(not(target_os = "linux"))]
-        {
-            true
+        let seen = true;
+        let now = Instant::now();
+        if seen || now.duration_since(self.last_stat.get()) >= BACKSTOP {
+            self.last_stat.set(now);
+            return true;
         }
+        false
     }
 }
 
@@ -58,6 +77,7 @@ mod linux {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     use std::os::unix::ffi::OsStrExt;
     use std::path::Path;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// A name removed from the directory or replaced by a rename onto it, or the directory itself going away.
     const MASK: u32 = libc::IN_DELETE
@@ -73,12 +93,33 @@ mod linux {
         | libc::IN_UNMOUNT;
     const HEADER: usize = std::mem::size_of::<libc::inotify_event>();
 
+    /// `statfs` magic numbers of the local file systems whose changes all pass through this kernel.
+    const LOCAL: [u32; 8] = [
+        0xEF53,      // ext2, ext3, ext4
+        0x5846_5342, // xfs
+        0x9123_683E, // btrfs
+        0xF2F5_2010, // f2fs
+        0x0102_1994, // tmpfs
+        0x2405_1905, // UBIFS
+        0x72B6,      // JFFS2
+        0x8584_58F6, // ramfs
+    ];
+
+    /// Watches alive in this process.
+    static WATCHES: AtomicUsize = AtomicUsize::new(0);
+
     pub(super) struct Watch {
         fd: OwnedFd,
         name: OsString,
         /// Set for good once an event concerned the WAL or the watch went blind: from then on every check
         /// says "ask stat", as without a watch.
         tripped: Cell<bool>,
+    }
+
+    impl Drop for Watch {
+        fn drop(&mut self) {
+            WATCHES.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 
     impl Watch {
@@ -89,6 +130,27 @@ mod linux {
                 _ => Path::new("."),
             };
             let dir = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+            // SAFETY: `statfs` writes only into `fs`, which is plain data.
+            let local = unsafe {
+                let mut fs: libc::statfs = std::mem::zeroed();
+                libc::statfs(dir.as_ptr(), &mut fs) == 0 && LOCAL.contains(&(fs.f_type as u32))
+            };
+            if !local {
+                log::debug!("the WAL's file system is not known local: it is checked with stat after every commit");
+                return None;
+            }
+            if WATCHES.fetch_add(1, Ordering::SeqCst) >= super::MAX_WATCHES {
+                WATCHES.fetch_sub(1, Ordering::SeqCst);
+                return None;
+            }
+            let watch = Self::add(dir, name);
+            if watch.is_none() {
+                WATCHES.fetch_sub(1, Ordering::SeqCst);
+            }
+            watch
+        }
+
+        fn add(dir: std::ffi::CString, name: OsString) -> Option<Watch> {
             // SAFETY: plain syscalls; the descriptor is owned by `OwnedFd` from here on.
             unsafe {
                 let fd = libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC);
@@ -175,7 +237,13 @@ mod tests {
     use super::WalWatch;
 
     fn setup() -> (tempfile::TempDir, std::path::PathBuf, WalWatch) {
-        let dir = tempfile::tempdir().unwrap();
+        // tmpfs where there is one (the temporary directory may be on an overlay, which is not watched).
+        let shm = std::path::Path::new("/dev/shm");
+        let dir = if shm.is_dir() {
+            tempfile::tempdir_in(shm).unwrap()
+        } else {
+            tempfile::tempdir().unwrap()
+        };
         let wal = dir.path().join("inbox.db-wal");
         std::fs::write(&wal, b"frames").unwrap();
         let watch = WalWatch::new(&wal);
