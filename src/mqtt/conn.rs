@@ -317,7 +317,7 @@ const MQTT_MAX_PACKET: u32 = 268_435_455 + 5;
 const REQUEST_CHANNEL_MIN: usize = 1024;
 
 /// Outgoing publishes a consumer's connection may have in flight: it sends none. (rumqttc then hands out
-/// packet id 1 to every SUBSCRIBE; the consumer sends one SUBSCRIBE per connection and waits for nothing on it.)
+/// packet id 1 to every SUBSCRIBE; the consumer sends one SUBSCRIBE per connection, so no two are in flight.)
 const CONSUMER_OUTGOING_INFLIGHT: u16 = 1;
 
 /// Creates the client and starts the poll thread, which sends every QoS1 publish and (re)connection to `tx`.
