@@ -221,6 +221,85 @@ impl Inbox {
         }
     }
 
+    /// Quarantines a delivery whose identity is known but which cannot be applied (over a
+    /// [`Limits`](crate::Limits), for example), like [`Inbox::quarantine`]; in a scope with sequence watermarks a
+    /// numbered delivery also claims its sequence in the same transaction, so one bad message leaves no gap
+    /// that would turn every later sequence into a watermark exception.
+    ///
+    /// Returns the quarantine row id, or `None` when the sequence was already claimed by the same message
+    /// (a redelivery of what was quarantined before: counted as a duplicate) or by the same id with other
+    /// content (recorded as a conflict). Another message id on a claimed sequence is quarantined as a
+    /// sequence conflict, as in [`Inbox::process`]. Once this returns `Ok` the delivery may be acked.
+    pub fn quarantine_delivery(&mut self, d: &Delivery<'_>, reason: &str) -> Result<Option<i64>> {
+        let scope_id = self.scope_id(d.scope)?;
+        let now = unix_now();
+        begin(&self.conn)?;
+        let result = (|| -> Result<Option<i64>> {
+            self.retention.refresh(&self.conn)?;
+            let rules = self.retention.rules(scope_id);
+            if let (Some(first), Some(producer), Some(seq)) =
+                (rules.watermark_first(), d.producer, d.sequence)
+            {
+                if seq >= first && seq <= i64::MAX as u64 {
+                    let claim = crate::retention::watermark::Claim {
+                        scope_id,
+                        producer,
+                        sequence: seq,
+                        first: first as i64,
+                        id_hash: d.id_hash(&self.conn.id_key),
+                        fingerprint: d.fingerprint(),
+                    };
+                    match crate::retention::watermark::claim(&self.conn, &claim, d, now)? {
+                        None => {}
+                        Some(Outcome::Duplicate) => {
+                            self.conn.add_counts(scope_id, [0, 1, 0, 0])?;
+                            return Ok(None);
+                        }
+                        Some(Outcome::Conflict { .. }) => {
+                            self.conn.add_counts(scope_id, [0, 0, 1, 0])?;
+                            return Ok(None);
+                        }
+                        Some(Outcome::SequenceConflict { quarantined, .. }) => {
+                            return Ok(Some(quarantined));
+                        }
+                        Some(_) => {}
+                    }
+                }
+            }
+            self.conn
+                .prepare_cached(
+                    "INSERT INTO quarantine (scope_id, topic, payload, reason, at) VALUES (?1, ?2, ?3, ?4, ?5)",
+                )?
+                .execute((scope_id, d.topic, d.payload, reason, now))?;
+            let id = self.conn.last_insert_rowid();
+            self.conn
+                .prepare_cached(
+                    "UPDATE scope_stats SET quarantined = quarantined + 1 WHERE scope_id = ?1",
+                )?
+                .execute([scope_id])?;
+            Ok(Some(id))
+        })();
+        match result {
+            Ok(id) => {
+                commit(&self.conn)?;
+                if id.is_some() {
+                    log::warn!(
+                        "quarantined a delivery on topic {:?} for scope {}: {reason}",
+                        d.topic,
+                        d.scope
+                    );
+                }
+                Ok(id)
+            }
+            Err(e) => {
+                if !self.conn.is_autocommit() {
+                    let _ = self.conn.execute_batch("ROLLBACK");
+                }
+                Err(e)
+            }
+        }
+    }
+
     /// Interned id of `scope`, creating it (in its own small transaction) on first use.
     pub fn scope_id(&mut self, scope: &str) -> Result<i64> {
         if let Some(id) = self.scopes.get(scope) {

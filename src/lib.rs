@@ -258,7 +258,8 @@
 //!   `producer`), a CBOR [`Envelope`] in the payload for 3.1.1, or your own [`ExtractIdentity`]. A delivery
 //!   without an identity, with a malformed envelope or over the inbox [`Limits`] is logged, recorded with
 //!   [`Inbox::quarantine`] (topic, payload, reason) and then acked: kept, not lost, and not blocking the
-//!   stream.
+//!   stream. One whose identity is known but breaks a limit goes through [`Inbox::quarantine_delivery`],
+//!   which in a watermark scope also claims its sequence (no permanent gap behind one bad message).
 //! - **Group commit, adaptive.** A delivery reaching an idle consumer is committed at once, alone; whatever
 //!   arrives while a commit syncs (the poll thread keeps reading) forms the next batch, committed in one
 //!   [`Inbox::process_batch_into`], so batches grow with the load and no delivery waits on a timer (an

@@ -193,3 +193,64 @@ fn the_mqtt_path_quarantines_each_over_limit_delivery_with_its_reason_and_proces
         "only the two valid deliveries left an identity"
     );
 }
+
+/// In a scope with sequence watermarks, a numbered delivery quarantined by the consumer for breaking a limit
+/// claims its sequence: the next sequences extend the watermark instead of piling up as exceptions, and a
+/// redelivery of the bad message is recognised, not quarantined twice.
+#[cfg(feature = "mqtt")]
+#[test]
+fn an_over_limit_numbered_delivery_claims_its_sequence() {
+    use edge_inbox::{Envelope, Protocol, RetentionPolicy};
+    use std::time::Duration;
+    let broker = broker::Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let config = Config::default().limits(limits());
+    {
+        let mut inbox = Inbox::open(&db, config.clone()).unwrap();
+        inbox
+            .set_retention(SCOPE, &RetentionPolicy::new().sequence_watermarks(1))
+            .unwrap();
+    }
+    let consumer = |idle: Duration| {
+        let inbox = Inbox::open(&db, config.clone()).unwrap();
+        let mqtt = edge_inbox::MqttConfig::new("127.0.0.1", broker.port, "limits-seq")
+            .protocol(Protocol::V311)
+            .subscribe("#");
+        edge_inbox::Consumer::new(inbox, SCOPE, mqtt).exit_when_idle(idle)
+    };
+    consumer(Duration::from_millis(300)).run(effect).unwrap();
+
+    let env = |id: &str, seq: u64, body: Vec<u8>| {
+        (
+            "o/1".to_string(),
+            Envelope::new(id, body).producer("shop-1").seq(seq).encode(),
+        )
+    };
+    let bad = env("e-2", 2, vec![b'x'; 40]);
+    broker::publish_v311(
+        broker.port,
+        &[
+            env("e-1", 1, b"x".to_vec()),
+            bad.clone(),
+            env("e-3", 3, b"x".to_vec()),
+            env("e-4", 4, b"x".to_vec()),
+            bad,
+        ],
+    );
+    let mut c = consumer(Duration::from_millis(1500));
+    let s = c.run(effect).unwrap();
+    assert_eq!(
+        (s.processed, s.quarantined, s.duplicates, s.acked),
+        (3, 1, 1, 5),
+        "{s:?}"
+    );
+    let inbox = c.into_inbox();
+    let count = |sql: &str| -> i64 { inbox.connection().query_row(sql, [], |r| r.get(0)).unwrap() };
+    assert_eq!(
+        count("SELECT high FROM watermarks WHERE producer = 'shop-1'"),
+        4
+    );
+    assert_eq!(count("SELECT count(*) FROM watermark_exceptions"), 0);
+    assert_eq!(count("SELECT count(*) FROM quarantine"), 1);
+}

@@ -481,36 +481,38 @@ impl Run<'_> {
         // Identity and limits first: bad input is quarantined, so it can be acked like the rest.
         let mut good: Vec<usize> = Vec::with_capacity(batch.len());
         for (i, p) in batch.iter_mut().enumerate() {
-            let found = self.extractor.extract(&p.incoming).and_then(|id| {
-                delivery_of(self.scope, &p.incoming, &id).validate(&limits)?;
-                Ok(id)
-            });
-            match found {
-                Ok(id) => {
-                    p.identity = Some(id);
-                    good.push(i);
-                }
-                Err(why) => {
-                    let reason = why.to_string();
-                    log::warn!(
-                        "bad delivery on topic {:?} ({} bytes): {reason}; quarantining it",
-                        p.incoming.topic,
-                        p.incoming.payload.len()
-                    );
-                    let (scope, topic, payload) =
-                        (self.scope, &p.incoming.topic, &p.incoming.payload);
-                    if self
-                        .retry("quarantine", |inbox| {
-                            inbox.quarantine(scope, topic, payload, &reason)
-                        })
-                        .is_none()
-                    {
-                        return self.abandon(batch.len());
+            // An identity that was found but breaks a limit is kept, so its sequence can be claimed.
+            let (why, known) = match self.extractor.extract(&p.incoming) {
+                Ok(id) => match delivery_of(self.scope, &p.incoming, &id).validate(&limits) {
+                    Ok(()) => {
+                        p.identity = Some(id);
+                        good.push(i);
+                        continue;
                     }
-                    self.summary.quarantined += 1;
-                    self.queue.settle(p.ticket);
-                }
+                    Err(why) => (why, Some(id)),
+                },
+                Err(why) => (why, None),
+            };
+            let reason = why.to_string();
+            log::warn!(
+                "bad delivery on topic {:?} ({} bytes): {reason}; quarantining it",
+                p.incoming.topic,
+                p.incoming.payload.len()
+            );
+            let (scope, incoming) = (self.scope, &p.incoming);
+            let kept = self.retry("quarantine", |inbox| match &known {
+                Some(id) => inbox.quarantine_delivery(&delivery_of(scope, incoming, id), &reason),
+                None => inbox
+                    .quarantine(scope, &incoming.topic, &incoming.payload, &reason)
+                    .map(Some),
+            });
+            match kept {
+                None => return self.abandon(batch.len()),
+                Some(Some(_)) => self.summary.quarantined += 1,
+                // Its sequence was claimed by this very message before: a redelivery.
+                Some(None) => self.summary.duplicates += 1,
             }
+            self.queue.settle(p.ticket);
         }
 
         let deliveries: Vec<Delivery<'_>> = good
