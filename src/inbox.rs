@@ -192,20 +192,7 @@ impl Inbox {
         let scope_id = self.scope_id(scope)?;
         let now = unix_now();
         begin(&self.conn)?;
-        let result = (|| -> rusqlite::Result<i64> {
-            self.conn
-                .prepare_cached(
-                    "INSERT INTO quarantine (scope_id, topic, payload, reason, at) VALUES (?1, ?2, ?3, ?4, ?5)",
-                )?
-                .execute((scope_id, topic, payload, reason, now))?;
-            let id = self.conn.last_insert_rowid();
-            self.conn
-                .prepare_cached(
-                    "UPDATE scope_stats SET quarantined = quarantined + 1 WHERE scope_id = ?1",
-                )?
-                .execute([scope_id])?;
-            Ok(id)
-        })();
+        let result = insert_quarantine(&self.conn, scope_id, topic, payload, reason, now);
         match result {
             Ok(id) => {
                 commit(&self.conn)?;
@@ -237,46 +224,21 @@ impl Inbox {
         let result = (|| -> Result<Option<i64>> {
             self.retention.refresh(&self.conn)?;
             let rules = self.retention.rules(scope_id);
-            if let (Some(first), Some(producer), Some(seq)) =
-                (rules.watermark_first(), d.producer, d.sequence)
-            {
-                if seq >= first && seq <= i64::MAX as u64 {
-                    let claim = crate::retention::watermark::Claim {
-                        scope_id,
-                        producer,
-                        sequence: seq,
-                        first: first as i64,
-                        id_hash: d.id_hash(&self.conn.id_key),
-                        fingerprint: d.fingerprint(),
-                    };
-                    match crate::retention::watermark::claim(&self.conn, &claim, d, now)? {
-                        None => {}
-                        Some(Outcome::Duplicate) => {
-                            self.conn.add_counts(scope_id, [0, 1, 0, 0])?;
-                            return Ok(None);
-                        }
-                        Some(Outcome::Conflict { .. }) => {
-                            self.conn.add_counts(scope_id, [0, 0, 1, 0])?;
-                            return Ok(None);
-                        }
-                        Some(Outcome::SequenceConflict { quarantined, .. }) => {
-                            return Ok(Some(quarantined));
-                        }
-                        Some(_) => {}
-                    }
+            match claim_sequence(&self.conn, d, scope_id, rules, now)? {
+                Some(Some(Outcome::Duplicate)) => {
+                    self.conn.add_counts(scope_id, [0, 1, 0, 0])?;
+                    return Ok(None);
                 }
+                Some(Some(Outcome::Conflict { .. })) => {
+                    self.conn.add_counts(scope_id, [0, 0, 1, 0])?;
+                    return Ok(None);
+                }
+                Some(Some(Outcome::SequenceConflict { quarantined, .. })) => {
+                    return Ok(Some(quarantined));
+                }
+                _ => {}
             }
-            self.conn
-                .prepare_cached(
-                    "INSERT INTO quarantine (scope_id, topic, payload, reason, at) VALUES (?1, ?2, ?3, ?4, ?5)",
-                )?
-                .execute((scope_id, d.topic, d.payload, reason, now))?;
-            let id = self.conn.last_insert_rowid();
-            self.conn
-                .prepare_cached(
-                    "UPDATE scope_stats SET quarantined = quarantined + 1 WHERE scope_id = ?1",
-                )?
-                .execute([scope_id])?;
+            let id = insert_quarantine(&self.conn, scope_id, d.topic, d.payload, reason, now)?;
             Ok(Some(id))
         })();
         match result {
@@ -533,6 +495,57 @@ pub(crate) fn run_handler<H: Handler>(
     Ok(result)
 }
 
+/// Claims the sequence of a numbered delivery in a scope with sequence watermarks, inside the caller's open
+/// transaction (see [`crate::retention::watermark::claim`]). `None`: not such a delivery (no producer or
+/// sequence, watermarks off, or outside the watermark's range: below `first`, above i64::MAX), identity rows
+/// apply as usual.
+fn claim_sequence(
+    conn: &Db,
+    d: &Delivery<'_>,
+    scope_id: i64,
+    rules: &ScopeRules,
+    now: i64,
+) -> Result<Option<Option<Outcome>>> {
+    let (Some(first), Some(producer), Some(seq)) =
+        (rules.watermark_first(), d.producer, d.sequence)
+    else {
+        return Ok(None);
+    };
+    if seq < first || seq > i64::MAX as u64 {
+        return Ok(None);
+    }
+    let claim = crate::retention::watermark::Claim {
+        scope_id,
+        producer,
+        sequence: seq,
+        first: first as i64,
+        id_hash: d.id_hash(&conn.id_key),
+        fingerprint: d.fingerprint(),
+    };
+    crate::retention::watermark::claim(conn, &claim, d, now).map(Some)
+}
+
+/// Inserts a `quarantine` row and counts it, inside the caller's open transaction; returns the row id.
+fn insert_quarantine(
+    conn: &Db,
+    scope_id: i64,
+    topic: &str,
+    payload: &[u8],
+    reason: &str,
+    now: i64,
+) -> rusqlite::Result<i64> {
+    conn.prepare_cached(
+        "INSERT INTO quarantine (scope_id, topic, payload, reason, at) VALUES (?1, ?2, ?3, ?4, ?5)",
+    )?
+    .execute((scope_id, topic, payload, reason, now))?;
+    let id = conn.last_insert_rowid();
+    conn.prepare_cached(
+        "UPDATE scope_stats SET quarantined = quarantined + 1 WHERE scope_id = ?1",
+    )?
+    .execute([scope_id])?;
+    Ok(id)
+}
+
 /// How [`claim_identity`] settled a delivery.
 #[derive(Debug)]
 pub(crate) enum Claim {
@@ -567,26 +580,11 @@ pub(crate) fn claim_identity(
     rules: &ScopeRules,
     now: i64,
 ) -> Result<Claim> {
-    if let (Some(first), Some(producer), Some(seq)) =
-        (rules.watermark_first(), d.producer, d.sequence)
-    {
-        // Outside the watermark's range (below `first`, above i64::MAX), identity rows apply as usual.
-        if seq >= first && seq <= i64::MAX as u64 {
-            let claim = crate::retention::watermark::Claim {
-                scope_id,
-                producer,
-                sequence: seq,
-                first: first as i64,
-                id_hash: d.id_hash(&conn.id_key),
-                fingerprint: d.fingerprint(),
-            };
-            return Ok(
-                match crate::retention::watermark::claim(conn, &claim, d, now)? {
-                    None => Claim::Sequence,
-                    Some(outcome) => Claim::Settled(outcome),
-                },
-            );
-        }
+    if let Some(claimed) = claim_sequence(conn, d, scope_id, rules, now)? {
+        return Ok(match claimed {
+            None => Claim::Sequence,
+            Some(outcome) => Claim::Settled(outcome),
+        });
     }
     let id_hash = d.id_hash(&conn.id_key);
     let fingerprint = d.fingerprint();
