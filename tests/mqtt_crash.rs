@@ -84,6 +84,16 @@ fn spawn_child_with(port: u16, db: &Path, idle: Option<u64>, hold: Option<&Path>
     Guard(cmd.spawn().expect("spawn consumer child"))
 }
 
+/// A last consumer drains whatever is left and exits once idle.
+fn drain_to_the_end(port: u16, db: &Path) {
+    let mut last = spawn_child(port, db, Some(3));
+    let exited = common::wait_for(Duration::from_secs(120), || last.0.try_wait().unwrap());
+    assert!(
+        exited.is_some_and(|s| s.success()),
+        "final consumer did not finish: {exited:?}"
+    );
+}
+
 struct Rng(u64);
 
 impl Rng {
@@ -180,13 +190,7 @@ fn kill9_consumer_at_random_moments_loses_and_doubles_nothing() {
     }
     publisher.join().unwrap();
 
-    // A last consumer drains whatever is left and exits once idle.
-    let mut last = spawn_child(port, &db, Some(3));
-    let exited = common::wait_for(Duration::from_secs(120), || last.0.try_wait().unwrap());
-    assert!(
-        exited.is_some_and(|s| s.success()),
-        "final consumer did not finish: {exited:?}"
-    );
+    drain_to_the_end(port, &db);
 
     let inbox = Inbox::open(&db, Config::default()).unwrap();
     let st = inbox.scope_stats(SCOPE).unwrap();
@@ -249,12 +253,7 @@ fn kill9_while_a_pipelined_commit_is_in_flight_loses_and_doubles_nothing() {
     std::thread::sleep(Duration::from_millis(500));
     drop(child); // SIGKILL, mid-transaction, with the next batch gathered
 
-    let mut last = spawn_child(broker.port, &db, Some(3));
-    let exited = common::wait_for(Duration::from_secs(120), || last.0.try_wait().unwrap());
-    assert!(
-        exited.is_some_and(|s| s.success()),
-        "final consumer did not finish: {exited:?}"
-    );
+    drain_to_the_end(broker.port, &db);
     let inbox = Inbox::open(&db, Config::default()).unwrap();
     let st = inbox.scope_stats(SCOPE).unwrap();
     assert_eq!(st.processed, 39, "every event applied exactly once: {st:?}");
