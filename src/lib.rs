@@ -435,10 +435,15 @@
 //!   before the database was created (a gateway without a real-time clock boots at 1970), or more than
 //!   [`Pruning::max_clock_jump`] (30 days) after the latest time a pass accepted, a pass prunes nothing
 //!   ([`PruneReport::clock_refused`]), logs a warning, and `inboxctl check` says so; [`Pruning::trust_clock`]
-//!   confirms a jump. An identity whose commit day is before the database could exist was stamped by a wrong
+//!   confirms a jump; a time stated with [`Pruning::as_of`] (`inboxctl prune --as-of`) is not held to the
+//!   jump rule. An identity whose commit day is before the database could exist was stamped by a wrong
 //!   clock: a pass re-dates it to the current day (it ages from a time that can be right, never faster),
-//!   counted as `identities_restamped`;
-//! - **sequence watermarks** ([`RetentionPolicy::sequence_watermarks`], opt-in per new scope): when producers
+//!   counted as `identities_restamped`. A commit clock that runs behind the latest time a pass accepted
+//!   cannot date an identity before that time either, so a clock that is wrong at commit can only keep an
+//!   identity longer. Each step reads the policies inside the transaction that deletes, so a policy another
+//!   process changed is applied from the next step on, never half;
+//! - **sequence watermarks** ([`RetentionPolicy::sequence_watermarks`], opt-in per new scope: refused once the
+//!   scope recorded anything, even if the horizon since pruned all its identities): when producers
 //!   number their messages, contiguous processed ranges collapse into one high-water mark per producer plus the
 //!   few sequences that arrived out of order, so deduplication stays exact for ever in O(producers) space
 //!   (10 million messages from 100 producers: an 84 KiB file, plus the window below). A repeated sequence is
@@ -447,7 +452,8 @@
 //!   the same id with other content a conflict, and another id (a producer that restarted its counter, or two
 //!   producers in one namespace) an [`Outcome::SequenceConflict`]: quarantined with its reason and counted
 //!   (`sequence_conflicts`). Below the window nothing can be compared any more, so such a sequence is
-//!   quarantined too (cause `below-window`): never applied twice, never acked unseen.
+//!   quarantined too (cause `below-window`): never applied twice, never acked unseen. A numbered delivery
+//!   sent before [`Inbox::pruned_before`] whose sequence is new meets the [`ExpiredPolicy`] like any other.
 //!
 //! [`Inbox::prune_step`] does one bounded step (a window of rows, some free pages, or a WAL checkpoint) in its
 //! own short transaction; [`Inbox::prune`] runs a whole pass, resting between steps so that consumers on the

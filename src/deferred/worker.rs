@@ -415,19 +415,26 @@ impl Worker {
         begin(conn)?;
         let started = Instant::now();
         let deadline = budget.map(|b| started + b);
-        let result = apply_claims(
-            conn,
-            &self.scope,
-            self.scope_id,
-            &self.owner,
-            &self.config,
-            claims,
-            handler,
-            &self.inbox.buf,
-            deadline,
-            out,
-        )
-        .and_then(|n| commit(conn).map(|()| n));
+        // The cached `clock_seen` dates a restored identity (see `stored_day`).
+        let result = self
+            .inbox
+            .retention
+            .refresh(conn)
+            .and_then(|()| {
+                apply_claims(
+                    conn,
+                    &self.scope,
+                    self.scope_id,
+                    &self.owner,
+                    &self.config,
+                    claims,
+                    handler,
+                    &self.inbox.buf,
+                    deadline,
+                    out,
+                )
+            })
+            .and_then(|n| commit(conn).map(|()| n));
         if deadline.is_some_and(|d| Instant::now() >= d) {
             self.lock_free_until = Some(Instant::now() + LOCK_YIELD);
         }
@@ -675,7 +682,7 @@ fn apply_claims<H: Handler>(
             scope_id,
             &c.id_hash.0[..],
             Fingerprint::of(&c.topic, &c.payload).to_sql(),
-            crate::inbox::stored_day(now, c.sent_at.is_some()),
+            crate::inbox::stored_day(conn, now, c.sent_at.is_some()),
         ))?;
 
         let err = match run_handler(conn, &d, scope_id, now, handler, buf, &failure)? {
