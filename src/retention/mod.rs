@@ -352,6 +352,11 @@ impl Pruning {
         self.max_clock_jump
     }
 
+    /// How far the clock may have moved ahead since the latest accepted pass ([`Pruning::max_clock_jump`]).
+    pub fn get_max_clock_jump(&self) -> Duration {
+        self.max_clock_jump
+    }
+
     /// Accept the clock even if it jumped further ahead than [`Pruning::max_clock_jump`] (an operator confirmed
     /// the time). A time before the database was created is never accepted.
     pub fn trust_clock(mut self, trust: bool) -> Self {

@@ -18,7 +18,7 @@ use anyhow::{bail, Context};
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use edge_inbox::inspect::{self, ExportRow, FileSizes, Table};
 use edge_inbox::rusqlite::Connection;
-use edge_inbox::{open_read_only, Config, Error, Inbox, Pruning};
+use edge_inbox::{open_read_only, ClockVerdict, Config, Error, Inbox, Pruning};
 use serde::Serialize;
 
 /// Inspect and operate an edge-inbox database (see `inboxctl <command> --help`).
@@ -78,7 +78,8 @@ enum Command {
         /// Actually prune (short write transactions; consumers on the file keep running).
         #[arg(long)]
         apply: bool,
-        /// Judge ages as of this Unix time (seconds) instead of now.
+        /// Judge ages as of this Unix time (seconds) instead of now. A stated time overrides the rule that
+        /// refuses to prune after a clock jump of more than 30 days (never the database's creation time).
         #[arg(long)]
         as_of: Option<i64>,
     },
@@ -539,6 +540,13 @@ struct PruneDoc {
     due: Vec<inspect::PrunePreview>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pruned: Option<Pruned>,
+    /// Why retention does not trust the time (`None` when it does); with `--as-of`, what the stated time
+    /// overrode.
+    clock_warning: Option<String>,
+    /// Retention refused to prune: the clock cannot be right (nothing was deleted).
+    clock_refused: bool,
+    /// The time stated with `--as-of` is one the clock-jump rule refuses; it was used anyway.
+    clock_overridden: bool,
 }
 
 #[derive(Serialize)]
@@ -556,16 +564,28 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64)
     });
-    let due = inspect::prune_preview(&read_only(path)?, now)?;
+    let ro = read_only(path)?;
+    let due = inspect::prune_preview(&ro, now)?;
+    let jump = Pruning::default().get_max_clock_jump();
+    let verdict = edge_inbox::clock_verdict(&ro, now, jump)?;
+    drop(ro);
+    // Only a time the operator states may override the jump rule; the clock's own reading is judged by it.
+    let overridden = as_of.is_some() && matches!(verdict, ClockVerdict::TooFarAhead { .. });
     let mut doc = PruneDoc {
         applied: apply,
         as_of: now,
         due,
         pruned: None,
+        clock_warning: verdict.warning(now),
+        clock_refused: !apply && !verdict.is_plausible() && !overridden,
+        clock_overridden: overridden,
     };
     if apply {
         let mut inbox = writable(path)?;
-        let opts = Pruning::default().as_of(now);
+        let opts = match as_of {
+            Some(t) => Pruning::default().as_of(t),
+            None => Pruning::default(),
+        };
         let progress = output::progress("pruning", None);
         let mut total = Pruned {
             payloads: 0,
@@ -586,6 +606,7 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
                 other => other?,
             };
             busy = 0;
+            doc.clock_refused |= step.clock_refused;
             total.payloads += step.payloads_pruned;
             total.dead_letters += step.dead_letters_pruned;
             total.identities += step.identities_pruned;
@@ -599,9 +620,23 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
         progress.finish_and_clear();
         doc.pruned = Some(total);
     }
+    // Asked to prune and refused: an operational error, not a success with nothing to do.
+    let code = if apply && doc.clock_refused {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    };
     if cli.json {
         print_json(&doc)?;
-        return Ok(ExitCode::SUCCESS);
+        return Ok(code);
+    }
+    if doc.clock_overridden {
+        println!(
+            "--as-of overrides the clock-jump rule: {}",
+            doc.clock_warning.as_deref().unwrap_or_default()
+        );
+    } else if let Some(w) = &doc.clock_warning {
+        println!("clock WARNING: {w}");
     }
     for d in &doc.due {
         println!(
@@ -613,16 +648,24 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
         println!("no scope has a retention policy: nothing is ever pruned");
     }
     match &doc.pruned {
+        Some(_) if doc.clock_refused => eprintln!(
+            "retention refused to prune: the clock cannot be right; nothing deleted (state the time with \
+             --as-of if it is)"
+        ),
         Some(p) => println!(
             "pruned {} payloads, {} dead letters, {} identities; {} pages reclaimed in {} steps",
             p.payloads, p.dead_letters, p.identities, p.pages_reclaimed, p.steps
+        ),
+        None if doc.clock_refused => println!(
+            "dry run as of {}: nothing deleted; --apply would be refused (the clock cannot be right)",
+            times::rfc3339(doc.as_of)
         ),
         None => println!(
             "dry run as of {}: nothing deleted (use --apply to prune)",
             times::rfc3339(doc.as_of)
         ),
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(code)
 }
 
 #[derive(Serialize)]
