@@ -347,7 +347,9 @@
 //!   the same id**: an edge-inbox consumer downstream applies each exactly once in effect. QoS0 messages are
 //!   marked when written and may be lost. A row the broker keeps refusing ([`RelayConfig::max_refusals`]),
 //!   or one over the broker's Maximum Packet Size (announced in its CONNACK), is parked instead of holding
-//!   back the rest: kept and counted, sent again after [`Inbox::requeue_parked_outbox`].
+//!   back the rest: kept and counted, sent again after [`Inbox::requeue_parked_outbox`] (a running relay
+//!   picks it up within its poll interval, after the rows that went on meanwhile: first copies arrive in
+//!   commit order except for a refused publish resent after a backoff and such a requeued row).
 //! - **Observability and retention.** [`Inbox::outbox_backlog`] gives pending count, oldest pending age and
 //!   sent count; [`Inbox::prune_outbox`] deletes sent rows older than an age (pending rows never).
 //! - Topic, payload and properties ([`OutboxProperties`]: user properties, content type, ..., stored as CBOR;
