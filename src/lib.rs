@@ -491,7 +491,8 @@
 //! letters held and the identities retained ([`ScopeReport`]); [`Inbox::file_sizes`] the bytes of the database
 //! and its WAL. The `inboxctl` binary (feature `cli`, on by default) is a thin shell over these functions:
 //! `stats`, `show`, `conflicts`, `quarantine`, `dead-letters`, `requeue`, `prune` (a dry run unless `--apply`),
-//! `check` (`PRAGMA integrity_check` and the settings) and `export` (JSON lines or CBOR).
+//! `check` (`PRAGMA integrity_check`, the inbox's own invariants from [`inspect::check_invariants`], each
+//! breach by name, and the settings; exit code 1 on any) and `export` (JSON lines or CBOR).
 //!
 //! What the inbox does when the disk misbehaves, each case tested on real files and processes: a full disk is
 //! [`Error::DiskFull`] and a read-only file [`Error::ReadOnly`] or [`Error::Open`], with nothing written; a lock

@@ -83,7 +83,8 @@ enum Command {
         #[arg(long)]
         as_of: Option<i64>,
     },
-    /// PRAGMA integrity_check, schema version and file settings. Exit code 1 when a problem is found.
+    /// PRAGMA integrity_check, the inbox's own invariants (each breach by name), schema version and file
+    /// settings. Exit code 1 when a problem or a breach is found.
     Check {
         /// Report at most this many problems.
         #[arg(long, default_value_t = 100)]
@@ -695,6 +696,25 @@ fn check(cli: &Cli, path: &Path, max_problems: usize) -> anyhow::Result<ExitCode
         );
         for p in &r.problems {
             println!("  {p}");
+        }
+        println!(
+            "invariants: {}",
+            if r.breaches.is_empty() {
+                "ok"
+            } else {
+                "BREACHED"
+            }
+        );
+        for b in &r.breaches {
+            println!(
+                "  {} in {}: {} row(s), e.g. {}",
+                b.name,
+                b.scope
+                    .as_deref()
+                    .map_or("no existing scope".to_owned(), |s| format!("scope {s:?}")),
+                b.count,
+                b.example
+            );
         }
         println!(
             "schema version {} (this build supports {}); journal_mode {}; auto_vacuum {}; synchronous {} \
