@@ -186,9 +186,11 @@
 //! consumer receiving on the same file waits for it up to its busy timeout. [`Worker::run_once`] therefore
 //! stops taking further claims into a transaction once [`WorkerConfig::lock_budget`] (default 100 ms) is used
 //! up (at least one handler runs per transaction), commits, and applies the rest of its claims in further
-//! transactions; after such a transaction it leaves the lock free for a little over SQLite's longest busy
-//! retry interval (100 ms), so a waiting receiver gets its turn and keeps acking however slow the handlers
-//! are. ([`Worker::complete`] applies exactly the claims it is given in one transaction.)
+//! transactions; after such a transaction it leaves the lock free for 120 ms, so a waiting receiver gets
+//! its turn and keeps acking however slow the handlers are. An inbox connection waiting for the lock tries
+//! again at least every millisecond; the longer gap also serves writers that wait through SQLite's own busy
+//! timeout, which sleeps up to 100 ms between tries. ([`Worker::complete`] applies exactly the claims it is
+//! given in one transaction.)
 //!
 //! A worker killed at any point leaves either nothing (the apply transaction did not commit) or a lease that
 //! expires and is claimed again: every pending message is applied exactly once in effect.
