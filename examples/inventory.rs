@@ -557,16 +557,9 @@ fn report(db: &Path) -> anyhow::Result<String> {
     }
     let inbox = Inbox::open(db, Config::default())?;
     let mut reserved = serde_json::Map::new();
-    let mut stmt = inbox
-        .connection()
-        .prepare("SELECT substr(key, 10), value FROM kv WHERE ns = ?1 AND key LIKE 'reserved/%' ORDER BY key")?;
-    let rows = stmt.query_map([SCOPE], |r| {
-        Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
-    })?;
-    for row in rows {
-        let (sku, value) = row?;
-        let qty: i64 = ciborium::from_reader(&value[..]).context("stored quantity")?;
-        reserved.insert(sku, qty.into());
+    // What the handler wrote with `tx.put("reserved/<sku>", ..)`, in the scope's namespace.
+    for (key, qty) in inbox.entries::<i64>(SCOPE, "reserved/")? {
+        reserved.insert(key["reserved/".len()..].to_owned(), qty.into());
     }
     let stats = inbox.scope_stats(SCOPE)?;
     let backlog = inbox.backlog(SCOPE)?;

@@ -5,7 +5,7 @@
 // hold the rules the identity claim applies. `inbox.rs` is the strong case, where a delivery's path reads
 // top-down: identity claim, transaction, handler, commit. The features add `impl Inbox` blocks on top of it:
 // `deferred/` (receive, workers, backlog, dead letters, requeue), `outbox.rs`, `retention/prune.rs` (policies,
-// watermarks, pruning). Highest are `mqtt/` (connection, consumer, in-order acks, relay; identity extraction is
+// watermarks, pruning), `kv.rs` (the key-value state read outside a handler). Highest are `mqtt/` (connection, consumer, in-order acks, relay; identity extraction is
 // plain data and built without the `mqtt` feature), where the ack follows the commit, and `inspect/` with the
 // durable counters. The `pub use` list below is the whole public surface; the folders stay private.
 
@@ -104,7 +104,8 @@
 //! A handler is any `FnMut(&mut Tx, &Delivery) -> anyhow::Result<()>`. Through [`Tx`] it reads and writes
 //! the built-in key-value state (serde values stored as CBOR, namespaced by scope or by your own namespace)
 //! or, with [`Tx::sql`], its own tables in the same transaction. [`rusqlite`] is re-exported so the versions
-//! match.
+//! match. Outside a handler (a status page, a report), [`Inbox::get`] and [`Inbox::entries`] read and decode
+//! that state in the same namespaces.
 //!
 //! **Nothing a handler writes commits without its identity**, even when it swallows an error. SQLite may roll
 //! the transaction back by itself (an I/O error, NOMEM, an interrupt, a trigger's `RAISE(ROLLBACK)`,
@@ -507,6 +508,7 @@
 mod deferred;
 mod inbox;
 pub mod inspect;
+mod kv;
 mod mqtt;
 mod outbox;
 mod retention;

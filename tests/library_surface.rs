@@ -51,3 +51,83 @@ fn every_cause_of_an_error_is_printed_once_through_anyhow() {
     once(&alt, "consumer scope is empty");
     once(&debug, "consumer scope is empty");
 }
+
+#[test]
+fn state_written_by_handlers_is_read_outside_them_in_the_same_namespaces() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    #[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
+    struct Sku {
+        reserved: i64,
+        name: String,
+    }
+    let reserve = |tx: &mut edge_inbox::Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        let key = format!("reserved/{}", d.topic);
+        let n: i64 = tx.get(&key)?.unwrap_or(0);
+        tx.put(&key, &(n + 1))?;
+        tx.put_in(
+            "catalogue",
+            d.topic,
+            &Sku {
+                reserved: n + 1,
+                name: format!("item {}", d.topic),
+            },
+        )?;
+        Ok(())
+    };
+    for (id, sku) in [("e1", "A-1"), ("e2", "A-1"), ("e3", "B-7"), ("e1", "A-1")] {
+        inbox
+            .process(&Delivery::new("inventory", id, sku, b"{}"), reserve)
+            .unwrap();
+    }
+    inbox
+        .process(&Delivery::new("other-scope", "e9", "A-1", b"{}"), reserve)
+        .unwrap();
+
+    // The scope's own namespace (Tx::get/put), and one of the handler's choosing (Tx::get_in/put_in).
+    assert_eq!(
+        inbox.get::<i64>("inventory", "reserved/A-1").unwrap(),
+        Some(2)
+    );
+    assert_eq!(
+        inbox.get::<i64>("other-scope", "reserved/A-1").unwrap(),
+        Some(1)
+    );
+    assert_eq!(inbox.get::<i64>("inventory", "reserved/Z-0").unwrap(), None);
+    assert_eq!(inbox.get::<i64>("nobody", "reserved/A-1").unwrap(), None);
+    assert_eq!(
+        inbox.get::<Sku>("catalogue", "B-7").unwrap(),
+        Some(Sku {
+            reserved: 1,
+            name: "item B-7".into()
+        })
+    );
+    // A value of another type: a codec error naming the key, not a panic or a wrong value.
+    let err = inbox
+        .get::<String>("inventory", "reserved/A-1")
+        .unwrap_err();
+    assert!(matches!(err, Error::Codec(_)), "{err:?}");
+    assert!(err.to_string().contains("inventory/reserved/A-1"), "{err}");
+
+    // A prefix, in key order; `%` and `_` are plain characters in it.
+    assert_eq!(
+        inbox.entries::<i64>("inventory", "reserved/").unwrap(),
+        vec![
+            ("reserved/A-1".to_owned(), 2),
+            ("reserved/B-7".to_owned(), 1)
+        ]
+    );
+    assert_eq!(
+        inbox
+            .entries::<i64>("inventory", "reserved/B")
+            .unwrap()
+            .len(),
+        1
+    );
+    assert!(inbox
+        .entries::<i64>("inventory", "reserved_")
+        .unwrap()
+        .is_empty());
+    assert!(inbox.entries::<i64>("inventory", "%").unwrap().is_empty());
+    assert_eq!(inbox.entries::<Sku>("catalogue", "").unwrap().len(), 2);
+}
