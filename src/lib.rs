@@ -50,7 +50,10 @@
 //! let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default())?;
 //!
 //! let payload = br#"{"order":42,"sku":"A-1","qty":1,"kind":"created"}"#;
-//! let delivery = Delivery::new("inventory-reservation", "evt-42-created", "orders/42", payload);
+//! let delivery = Delivery::in_scope("inventory-reservation")
+//!     .with_message_id("evt-42-created")
+//!     .with_topic("orders/42")
+//!     .with_payload(payload);
 //!
 //! let reserve = |tx: &mut edge_inbox::Tx<'_>, _d: &Delivery<'_>| -> anyhow::Result<()> {
 //!     let reserved: i64 = tx.get("A-1")?.unwrap_or(0);

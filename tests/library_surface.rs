@@ -131,3 +131,49 @@ fn state_written_by_handlers_is_read_outside_them_in_the_same_namespaces() {
     assert!(inbox.entries::<i64>("inventory", "%").unwrap().is_empty());
     assert_eq!(inbox.entries::<Sku>("catalogue", "").unwrap().len(), 2);
 }
+
+#[test]
+fn a_delivery_built_by_named_fields_is_the_one_new_builds_and_one_without_an_id_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    let payload = br#"{"sku":"A-1"}"#;
+    let named = Delivery::in_scope("inventory")
+        .with_message_id("evt-1")
+        .with_topic("orders/1")
+        .with_payload(payload)
+        .with_producer("shop-1")
+        .with_sequence(7)
+        .with_sent_at(1_700_000_000);
+    let positional = Delivery::new("inventory", "evt-1", "orders/1", payload)
+        .with_producer("shop-1")
+        .with_sequence(7)
+        .with_sent_at(1_700_000_000);
+    assert_eq!(named, positional);
+    assert_eq!(named.fingerprint(), positional.fingerprint());
+    let count = |tx: &mut edge_inbox::Tx<'_>, _d: &Delivery<'_>| -> anyhow::Result<()> {
+        let n: i64 = tx.get("n")?.unwrap_or(0);
+        Ok(tx.put("n", &(n + 1))?)
+    };
+    assert!(matches!(
+        inbox.process(&named, count).unwrap(),
+        edge_inbox::Outcome::Processed
+    ));
+    assert!(matches!(
+        inbox.process(&positional, count).unwrap(),
+        edge_inbox::Outcome::Duplicate
+    ));
+
+    // The message id forgotten: refused before anything is written.
+    let no_id = Delivery::in_scope("inventory")
+        .with_topic("orders/2")
+        .with_payload(payload);
+    let err = inbox.process(&no_id, count).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidDelivery(edge_inbox::InvalidDelivery::EmptyMessageId)
+        ),
+        "{err:?}"
+    );
+    assert_eq!(inbox.get::<i64>("inventory", "n").unwrap(), Some(1));
+}
