@@ -5,9 +5,10 @@
 // hold the rules the identity claim applies. `inbox.rs` is the strong case, where a delivery's path reads
 // top-down: identity claim, transaction, handler, commit. The features add `impl Inbox` blocks on top of it:
 // `deferred/` (receive, workers, backlog, dead letters, requeue), `outbox.rs`, `retention/prune.rs` (policies,
-// watermarks, pruning), `kv.rs` (the key-value state read outside a handler). Highest are `mqtt/` (connection, consumer, in-order acks, relay; identity extraction is
-// plain data and built without the `mqtt` feature), where the ack follows the commit, and `inspect/` with the
-// durable counters. The `pub use` list below is the whole public surface; the folders stay private.
+// watermarks, pruning), `kv.rs` (the key-value state read outside a handler). Highest are `mqtt/`
+// (connection, consumer, in-order acks, relay; identity extraction is plain data and built without the
+// `mqtt` feature), where the ack follows the commit, and `inspect/` with the durable counters. The `pub use`
+// list below is the whole public surface; the folders stay private.
 
 //! # edge-inbox
 //!
@@ -487,9 +488,10 @@
 //! connection (an open inbox's, or [`open_read_only`] on a file another process is using) that return plain,
 //! serializable structs. [`Inbox::stats`] gives, per scope, the durable counters, the deferred backlog, the dead
 //! letters held and the identities retained ([`ScopeReport`]); [`Inbox::file_sizes`] the bytes of the database
-//! and its WAL. The `inboxctl` binary (feature `cli`, on by default) is a thin shell over these functions:
-//! `stats`, `show`, `conflicts`, `quarantine`, `dead-letters`, `requeue`, `prune` (a dry run unless `--apply`),
-//! `check` (`PRAGMA integrity_check` and the settings) and `export` (JSON lines or CBOR).
+//! and its WAL. The `inboxctl` binary (feature `cli`, off by default: `cargo build --features cli`) is a
+//! thin shell over these functions: `stats`, `show`, `conflicts`, `quarantine`, `dead-letters`, `requeue`,
+//! `prune` (a dry run unless `--apply`), `check` (`PRAGMA integrity_check` and the settings) and `export`
+//! (JSON lines or CBOR).
 //!
 //! What the inbox does when the disk misbehaves, each case tested on real files and processes: a full disk is
 //! [`Error::DiskFull`] and a read-only file [`Error::ReadOnly`] or [`Error::Open`], with nothing written; a lock

@@ -177,3 +177,54 @@ fn a_delivery_built_by_named_fields_is_the_one_new_builds_and_one_without_an_id_
     );
     assert_eq!(inbox.get::<i64>("inventory", "n").unwrap(), Some(1));
 }
+
+/// The packages `cargo tree` lists for this crate's library build (no dev-dependencies) with `args`.
+fn library_dependencies(args: &[&str]) -> Vec<String> {
+    let out = std::process::Command::new(env!("CARGO"))
+        .args([
+            "tree",
+            "--offline",
+            "--edges",
+            "normal,build",
+            "--prefix",
+            "none",
+        ])
+        .args([
+            "--manifest-path",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
+        ])
+        .args(args)
+        .output()
+        .expect("run cargo tree");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').next())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn a_dependent_crate_gets_none_of_the_cli_dependencies_by_default() {
+    let cli_only = ["clap", "indicatif", "jiff", "env_logger"];
+    let default = library_dependencies(&[]);
+    assert!(default.iter().any(|d| d == "rusqlite"), "{default:?}");
+    for dep in cli_only {
+        assert!(
+            !default.iter().any(|d| d == dep),
+            "{dep} by default: {default:?}"
+        );
+    }
+    let with_cli = library_dependencies(&["--features", "cli"]);
+    for dep in cli_only {
+        assert!(
+            with_cli.iter().any(|d| d == dep),
+            "{dep} with cli: {with_cli:?}"
+        );
+    }
+}
