@@ -388,9 +388,9 @@ fn consume(broker: &str, db: &Path, run: &RunArgs) -> anyhow::Result<edge_inbox:
         let watcher = s.spawn(|| watch(&workers, relay.as_ref(), &stop, &consuming));
         let summary = consumer.run(handler(run.announce));
         consuming.store(false, Ordering::SeqCst);
-        let lost = watcher
-            .join()
-            .unwrap_or_else(|_| Some("the thread watching the workers and the relay panicked"));
+        let lost = watcher.join().unwrap_or(Some(
+            "the thread watching the workers and the relay panicked",
+        ));
         (summary, lost)
     });
     // Idle: what was received is applied (and announced) before the exit; a signal skips the waits.
