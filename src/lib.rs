@@ -5,9 +5,10 @@
 // hold the rules the identity claim applies. `inbox.rs` is the strong case, where a delivery's path reads
 // top-down: identity claim, transaction, handler, commit. The features add `impl Inbox` blocks on top of it:
 // `deferred/` (receive, workers, backlog, dead letters, requeue), `outbox.rs`, `retention/prune.rs` (policies,
-// watermarks, pruning). Highest are `mqtt/` (connection, consumer, in-order acks, relay; identity extraction is
-// plain data and built without the `mqtt` feature), where the ack follows the commit, and `inspect/` with the
-// durable counters. The `pub use` list below is the whole public surface; the folders stay private.
+// watermarks, pruning), `kv.rs` (the key-value state read outside a handler). Highest are `mqtt/`
+// (connection, consumer, in-order acks, relay; identity extraction is plain data and built without the
+// `mqtt` feature), where the ack follows the commit, and `inspect/` with the durable counters. The `pub use`
+// list below is the whole public surface; the folders stay private.
 
 //! # edge-inbox
 //!
@@ -50,7 +51,10 @@
 //! let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default())?;
 //!
 //! let payload = br#"{"order":42,"sku":"A-1","qty":1,"kind":"created"}"#;
-//! let delivery = Delivery::new("inventory-reservation", "evt-42-created", "orders/42", payload);
+//! let delivery = Delivery::in_scope("inventory-reservation")
+//!     .with_message_id("evt-42-created")
+//!     .with_topic("orders/42")
+//!     .with_payload(payload);
 //!
 //! let reserve = |tx: &mut edge_inbox::Tx<'_>, _d: &Delivery<'_>| -> anyhow::Result<()> {
 //!     let reserved: i64 = tx.get("A-1")?.unwrap_or(0);
@@ -104,7 +108,8 @@
 //! A handler is any `FnMut(&mut Tx, &Delivery) -> anyhow::Result<()>`. Through [`Tx`] it reads and writes
 //! the built-in key-value state (serde values stored as CBOR, namespaced by scope or by your own namespace)
 //! or, with [`Tx::sql`], its own tables in the same transaction. [`rusqlite`] is re-exported so the versions
-//! match.
+//! match. Outside a handler (a status page, a report), [`Inbox::get`] and [`Inbox::entries`] read and decode
+//! that state in the same namespaces.
 //!
 //! **Nothing a handler writes commits without its identity**, even when it swallows an error. SQLite may roll
 //! the transaction back by itself (an I/O error, NOMEM, an interrupt, a trigger's `RAISE(ROLLBACK)`,
@@ -186,9 +191,11 @@
 //! consumer receiving on the same file waits for it up to its busy timeout. [`Worker::run_once`] therefore
 //! stops taking further claims into a transaction once [`WorkerConfig::lock_budget`] (default 100 ms) is used
 //! up (at least one handler runs per transaction), commits, and applies the rest of its claims in further
-//! transactions; after such a transaction it leaves the lock free for a little over SQLite's longest busy
-//! retry interval (100 ms), so a waiting receiver gets its turn and keeps acking however slow the handlers
-//! are. ([`Worker::complete`] applies exactly the claims it is given in one transaction.)
+//! transactions; after such a transaction it leaves the lock free for 120 ms, so a waiting receiver gets
+//! its turn and keeps acking however slow the handlers are. An inbox connection waiting for the lock tries
+//! again at least every millisecond; the longer gap also serves writers that wait through SQLite's own busy
+//! timeout, which sleeps up to 100 ms between tries. ([`Worker::complete`] applies exactly the claims it is
+//! given in one transaction.)
 //!
 //! A worker killed at any point leaves either nothing (the apply transaction did not commit) or a lease that
 //! expires and is claimed again: every pending message is applied exactly once in effect.
@@ -489,10 +496,11 @@
 //! connection (an open inbox's, or [`open_read_only`] on a file another process is using) that return plain,
 //! serializable structs. [`Inbox::stats`] gives, per scope, the durable counters, the deferred backlog, the dead
 //! letters held and the identities retained ([`ScopeReport`]); [`Inbox::file_sizes`] the bytes of the database
-//! and its WAL. The `inboxctl` binary (feature `cli`, on by default) is a thin shell over these functions:
-//! `stats`, `show`, `conflicts`, `quarantine`, `dead-letters`, `requeue`, `prune` (a dry run unless `--apply`),
-//! `check` (`PRAGMA integrity_check`, the inbox's own invariants from [`inspect::check_invariants`], each
-//! breach by name, and the settings; exit code 1 on any) and `export` (JSON lines or CBOR).
+//! and its WAL. The `inboxctl` binary (feature `cli`, off by default: `cargo build --features cli`) is a
+//! thin shell over these functions: `stats`, `show`, `conflicts`, `quarantine`, `dead-letters`, `requeue`,
+//! `prune` (a dry run unless `--apply`), `check` (`PRAGMA integrity_check`, the inbox's own invariants from
+//! [`inspect::check_invariants`], each breach by name, and the settings; exit code 1 on any) and `export`
+//! (JSON lines or CBOR).
 //!
 //! What the inbox does when the disk misbehaves, each case tested on real files and processes: a full disk is
 //! [`Error::DiskFull`] and a read-only file [`Error::ReadOnly`] or [`Error::Open`], with nothing written; a lock
@@ -514,6 +522,7 @@
 mod deferred;
 mod inbox;
 pub mod inspect;
+mod kv;
 mod mqtt;
 mod outbox;
 mod retention;

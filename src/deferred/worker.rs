@@ -29,8 +29,11 @@ use crate::store::txn::{begin, commit, release};
 const MAX_ERROR_LEN: usize = 2048;
 
 /// How long a worker leaves the write lock free after a transaction that used its whole
-/// [`WorkerConfig::lock_budget`]. SQLite's busy handler has a waiting writer (a receiving consumer) retry at
-/// least every 100 ms; a shorter gap could fall between two of its retries every time and starve it.
+/// [`WorkerConfig::lock_budget`]. A waiting writer on an inbox connection (a receiving consumer) polls the
+/// lock in sleeps of 25 µs doubling up to 1 ms (the busy handler in `store/schema.rs`), so it needs only
+/// about a millisecond; the gap is longer because a writer on the file through SQLite's own busy timeout
+/// (the `sqlite3` shell, another program) sleeps up to 100 ms between tries, and a gap shorter than that
+/// could fall between two of them every time and starve it.
 const LOCK_YIELD: Duration = Duration::from_millis(120);
 
 /// Settings of a [`Worker`]. Start from [`WorkerConfig::default`] and change what you need.

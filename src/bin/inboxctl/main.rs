@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use edge_inbox::inspect::{self, ExportRow, FileSizes, Table};
 use edge_inbox::rusqlite::Connection;
@@ -98,7 +98,8 @@ enum Command {
         /// Output format.
         #[arg(long, value_enum, default_value_t = Format::Jsonl)]
         format: Format,
-        /// Output file (default: standard output).
+        /// Output file (default: standard output), created 0600 and replaced atomically; a symlink at the
+        /// path is replaced, never written through.
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
@@ -373,7 +374,9 @@ fn stats(
         StatsFormat::Prometheus => prometheus::render(&doc.path, &doc.files, &doc.scopes),
     };
     match output {
-        Some(file) => output::write_atomically(file, text.as_bytes())?,
+        Some(file) => {
+            output::replace_atomically(file, output::SHARED, |w| Ok(w.write_all(text.as_bytes())?))?
+        }
         None => std::io::stdout().lock().write_all(text.as_bytes())?,
     }
     Ok(ExitCode::SUCCESS)
@@ -752,27 +755,33 @@ fn export(
         ExportTable::Conflicts => Table::Conflicts,
         ExportTable::Quarantine => Table::Quarantine,
     };
-    let mut out: Box<dyn Write> = match output {
-        Some(p) => Box::new(std::io::BufWriter::new(
-            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
-        None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
-    };
     let progress = output::progress("exporting", Some(inspect::count(&conn, table)?));
-    let mut done = 0;
-    let n = inspect::export(&conn, table, |row: ExportRow| -> anyhow::Result<()> {
-        match format {
-            Format::Jsonl => {
-                serde_json::to_writer(&mut out, &row)?;
-                out.write_all(b"\n")?;
+    let rows = |out: &mut dyn Write| -> anyhow::Result<u64> {
+        let mut done = 0;
+        let n = inspect::export(&conn, table, |row: ExportRow| -> anyhow::Result<()> {
+            match format {
+                Format::Jsonl => {
+                    serde_json::to_writer(&mut *out, &row)?;
+                    out.write_all(b"\n")?;
+                }
+                Format::Cbor => ciborium::into_writer(&row, &mut *out)?,
             }
-            Format::Cbor => ciborium::into_writer(&row, &mut out)?,
+            done += 1;
+            progress.set_position(done);
+            Ok(())
+        })?;
+        Ok(n)
+    };
+    let n = match output {
+        // Payloads: as private as the database, and never written through a link planted at the path.
+        Some(p) => output::replace_atomically(p, output::PRIVATE, rows)?,
+        None => {
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            let n = rows(&mut out)?;
+            out.flush()?;
+            n
         }
-        done += 1;
-        progress.set_position(done);
-        Ok(())
-    })?;
-    out.flush()?;
+    };
     progress.finish_and_clear();
     if output.is_some() {
         eprintln!("exported {n} row(s)");
