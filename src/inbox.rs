@@ -75,6 +75,7 @@ impl Inbox {
         conn.outbox = OutboxSettings::from_config(&config);
         conn.id_key = schema::id_key(&conn)?;
         conn.slow_commit = config.slow_commit;
+        conn.path = path.to_owned();
         Ok(Inbox {
             conn,
             config,
@@ -109,6 +110,10 @@ impl Inbox {
 
     /// The underlying connection, for reads of the application's own tables outside a delivery.
     /// Writes that must be atomic with a delivery belong in the handler ([`Tx::sql`]).
+    ///
+    /// Its commit and rollback hooks are reserved: they guard every handler's transaction, and the inbox
+    /// installs them again before each handler runs, so a hook set here never fires (see the crate guide,
+    /// "Handlers and state"). Observe commits through the `Ok` of the inbox's calls instead.
     pub fn connection(&self) -> &Connection {
         &self.conn
     }
@@ -483,6 +488,15 @@ pub(crate) fn run_handler<H: Handler>(
     let armed = conn.arm_handler_guard();
     let result = handler(&mut tx, d);
     drop(armed);
+    if conn.handler_replaced_guard() {
+        log::error!(
+            "the handler for {}/{} replaced the connection's commit or rollback hook, which the inbox reserves: \
+             failing the call (what the handler committed on its own, if anything, cannot be undone)",
+            d.scope,
+            d.message_id
+        );
+        return Err(Error::HandlerEndedTransaction);
+    }
     if let Some(code) = failure.get() {
         return Err(storage_error(code));
     }

@@ -78,6 +78,7 @@
 //! | `Err(Error::Busy / DiskFull / ReadOnly / Storage)` | nothing written | no; retry |
 //! | `Err(Error::CommitUnknown)` | COMMIT failed: may or may not be durable | no; the redelivery settles it |
 //! | `Err(Error::InvalidDelivery)` | bad input; nothing written | quarantine, then ack |
+//! | `Err(Error::DatabaseGone)` | the database file was deleted under the inbox; nothing durable | no; reopen |
 //!
 //! Errors are classified by SQLite extended result codes ([`Error::sqlite_code`]), never by message text.
 //!
@@ -121,6 +122,14 @@
 //! through [`Tx`] fails at once, and the call (process, batch, worker) fails with
 //! [`Error::HandlerEndedTransaction`]: nothing committed, nothing to ack. The same holds for [`Tx::publish`]
 //! and the deferred [`Worker`].
+//!
+//! **The connection's commit and rollback hooks are reserved for this guard.** rusqlite lets anyone holding
+//! the [`Connection`](rusqlite::Connection) ([`Inbox::connection`], [`Tx::sql`]) replace them, so the inbox
+//! installs its own again before every handler runs (an application's hook installed between calls never
+//! fires) and checks them when the handler returns: a handler that replaced them fails its call with
+//! [`Error::HandlerEndedTransaction`] and an error in the log, but whatever such a handler committed on its own
+//! in the meantime cannot be undone. To act on a commit, act on the `Ok` the call returns (it comes only once
+//! the commit is durable); to notice commits by other connections, poll `PRAGMA data_version`.
 //!
 //! ## Group commit
 //!
@@ -506,8 +515,25 @@
 //! [`Error::DiskFull`] and a read-only file [`Error::ReadOnly`] or [`Error::Open`], with nothing written; a lock
 //! held by another process is [`Error::Busy`], never a duplicate; a file that is not a database is
 //! [`Error::NotADatabase`] and a damaged page a [`Error::Storage`] with `SQLITE_CORRUPT` (and a failing `check`).
-//! If the WAL file is deleted while an inbox has it open, the next commit notices, copies everything into the
-//! database file before reporting success, and logs an error asking for a reopen.
+//!
+//! **Files deleted underneath an open inbox.** The inbox learns the identity (device, inode) of its database
+//! file and WAL when it opens, and after every commit compares them with what the paths name now (on local
+//! file systems only when an inotify watch of the directory reports something about either name, and once a
+//! second; elsewhere after every commit):
+//!
+//! - the **database file** gone (`rm inbox.db*`, renamed away, replaced): what the inbox writes from then on
+//!   goes into a file without that name, lost when it closes. The commit that notices it returns
+//!   [`Error::DatabaseGone`] (never `Ok`, so never acked), an error naming the path is logged, and every later
+//!   write on that inbox fails the same way, also the application's own statements through
+//!   [`Inbox::connection`], until it is reopened. Reopened, it works on whatever file is at the path: after a
+//!   deletion a new, empty database, which knows none of the deleted file's identities (the deletion forgot
+//!   them). Closing the orphaned inbox leaves the new file's `-wal` and `-shm` alone;
+//! - the **WAL** alone gone: the commit that notices it copies every frame into the database file (a FULL
+//!   checkpoint) before reporting success, and logs an error asking for a reopen. Frames committed before a
+//!   deletion while the inbox is idle do not wait for a next commit: a thread of the inbox's own, woken by a
+//!   second watch, checkpoints them through the same connection (which is opened in SQLite's serialized mode
+//!   for it) within moments of the deletion. Without a watch (other file systems, more than 16 inboxes in
+//!   the process) they are rescued by the next commit, and are lost if the process dies before it.
 //!
 //! ## Replay and rebuilds
 //!

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use rusqlite::{Connection, OptionalExtension, Statement};
 
 use crate::store::error::{Error, Result};
-use crate::store::wal_watch::WalWatch;
+use crate::store::files::{FileId, Files, Moved};
+use crate::store::wal_watch::{Waiter, WalWatch};
 
 /// Statements of the hot path. They borrow the boxed connection of their [`Db`] (hence the `'static`
 /// lifetime, which never escapes this module) and are dropped before it.
@@ -49,13 +50,19 @@ pub(crate) struct Db {
     relaxed: Cell<bool>,
     /// What outbox writes on this connection need from the inbox configuration.
     pub(crate) outbox: crate::store::config::OutboxSettings,
-    /// The WAL file's path, to notice when it is deleted underneath the open connection.
-    wal: Option<std::path::PathBuf>,
-    /// (device, inode) of the WAL file this connection writes, once seen: a file recreated at the same path
-    /// (another connection opening the database after the deletion) is not ours.
-    wal_id: Cell<Option<(u64, u64)>>,
-    /// Says when the WAL's path may have changed, so that a `stat` is needed (see [`WalWatch`]).
+    /// The database file and its WAL as this connection opened them, to notice when either is deleted or
+    /// replaced underneath it (see [`Files`]). `None` for a database without a file.
+    files: Option<Files>,
+    /// (device, inode) of the WAL file this connection writes: learned at open, or at the first check if it
+    /// was not there yet. A file recreated at the same path (another connection opening the database after
+    /// the deletion) is not ours.
+    wal_id: Cell<Option<FileId>>,
+    /// Says when either path may have changed, so that a `stat` is needed (see [`WalWatch`]).
     wal_watch: Option<WalWatch>,
+    /// Acts on a deletion while no commit runs; stopped before the connection closes.
+    waiter: Option<Waiter>,
+    /// The path the inbox was opened on, for errors and the log.
+    pub(crate) path: std::path::PathBuf,
     /// Commits at least this slow are logged.
     pub(crate) slow_commit: Option<std::time::Duration>,
     /// Shared with the connection's commit and rollback hooks: see [`HandlerGuard`].
@@ -76,10 +83,136 @@ pub(crate) struct Db {
 /// raw statement through [`crate::Tx::sql`] cannot commit without the identity. Checking `is_autocommit`
 /// after the statement would be too late: it would already have committed. The rollback hook remembers that
 /// the transaction ended, so a handler that even opens a new one is still caught.
+///
+/// The hooks are the connection's only ones, and anyone holding the `Connection` can replace them (rusqlite's
+/// `commit_hook` and `rollback_hook` take `&self`). So they are installed again, straight through the C API
+/// (no allocation), before every handler runs, and checked after it: a handler that replaced them while it
+/// ran fails its call.
+///
+/// It also refuses every commit once the database file is known to be gone from its path (`gone`).
 #[derive(Default)]
 struct HandlerGuard {
     active: AtomicBool,
     ended: AtomicBool,
+    gone: AtomicBool,
+    /// The deleted WAL's rescue was logged.
+    wal_reported: AtomicBool,
+}
+
+/// `true` turns the COMMIT into a ROLLBACK.
+unsafe extern "C" fn refuse_commit(guard: *mut std::ffi::c_void) -> std::ffi::c_int {
+    // SAFETY: `guard` is the `HandlerGuard` the hook was installed with (`HandlerGuard::install`), kept alive
+    // by the `Db` until after the connection is closed.
+    let g = unsafe { &*(guard as *const HandlerGuard) };
+    std::ffi::c_int::from(g.active.load(Ordering::SeqCst) || g.gone.load(Ordering::SeqCst))
+}
+
+unsafe extern "C" fn note_rollback(guard: *mut std::ffi::c_void) {
+    // SAFETY: as in `refuse_commit`.
+    let g = unsafe { &*(guard as *const HandlerGuard) };
+    if g.active.load(Ordering::SeqCst) {
+        g.ended.store(true, Ordering::SeqCst);
+    }
+}
+
+impl HandlerGuard {
+    /// Installs (again) this guard's commit and rollback hooks on `conn`; true if both were the ones in place.
+    fn install(self: &Arc<Self>, conn: &Connection) -> bool {
+        let arg = Arc::as_ptr(self) as *mut std::ffi::c_void;
+        // SAFETY: the handle is the open connection's; the hooks only read `arg`, which the `Db` owning this
+        // `Arc` keeps alive until its connection is closed (rusqlite clears the hooks when it closes).
+        unsafe {
+            let commit =
+                rusqlite::ffi::sqlite3_commit_hook(conn.handle(), Some(refuse_commit), arg);
+            let rollback =
+                rusqlite::ffi::sqlite3_rollback_hook(conn.handle(), Some(note_rollback), arg);
+            commit == arg && rollback == arg
+        }
+    }
+
+    /// The database file is no longer at `path`: from now on every commit is refused, and the connection
+    /// leaves the files at the path alone when it closes. Logged once.
+    ///
+    /// # Safety
+    /// `db` is the open connection's handle, used from its own thread or opened in serialized mode.
+    unsafe fn note_gone(&self, db: *mut rusqlite::ffi::sqlite3, path: &std::path::Path) {
+        if self.gone.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        // SAFETY: per the caller.
+        unsafe { crate::store::files::keep_wal_on_close(db) };
+        log::error!(
+            "the database file {} was deleted or replaced while the inbox had it open: nothing it writes can be \
+             made durable under that name any more, so every further write fails (Error::DatabaseGone); \
+             reopen the inbox, which then uses whatever file is at that path",
+            path.display()
+        );
+    }
+}
+
+/// The connection's handle for its [`Waiter`] thread.
+struct SendHandle(*mut rusqlite::ffi::sqlite3);
+
+// SAFETY: only used while the connection is open (the `Db` joins the thread before closing it), and only on a
+// connection in serialized mode, where SQLite's own mutex orders every call on it.
+unsafe impl Send for SendHandle {}
+
+/// The thread that acts on a deletion while the connection is idle: the database file gone, it marks the
+/// connection gone (refusing every later commit); the WAL gone, it copies the frames committed before into
+/// the database file with a FULL checkpoint, through the same connection (another connection would open a
+/// new, empty WAL at the path). If the connection is inside a transaction the checkpoint fails
+/// (`SQLITE_LOCKED`) and is retried once a second; the commit ending that transaction rescues them anyway.
+/// Only for a connection in serialized mode; `None` otherwise, or where no watch can be set up.
+fn spawn_waiter(conn: &Connection, files: &Files, guard: &Arc<HandlerGuard>) -> Option<Waiter> {
+    // SAFETY: the handle of an open connection.
+    let handle = unsafe { conn.handle() };
+    // SAFETY: a plain query of the open connection.
+    if unsafe { rusqlite::ffi::sqlite3_db_mutex(handle) }.is_null() {
+        return None;
+    }
+    let handle = SendHandle(handle);
+    let (files, guard) = (files.clone(), guard.clone());
+    Waiter::spawn(&files.db.clone(), move || {
+        let db = &handle;
+        match files.check(files.wal_id) {
+            Moved::Neither => true,
+            Moved::Database => {
+                // SAFETY: see `SendHandle`.
+                unsafe { guard.note_gone(db.0, &files.db) };
+                true
+            }
+            Moved::Wal => {
+                // SAFETY: see `SendHandle`.
+                unsafe { crate::store::files::keep_wal_on_close(db.0) };
+                let (mut log, mut done) = (0, 0);
+                // SAFETY: see `SendHandle`; the out-parameters are valid `int`s.
+                let rc = unsafe {
+                    rusqlite::ffi::sqlite3_wal_checkpoint_v2(
+                        db.0,
+                        c"main".as_ptr(),
+                        rusqlite::ffi::SQLITE_CHECKPOINT_FULL,
+                        &mut log,
+                        &mut done,
+                    )
+                };
+                if rc != rusqlite::ffi::SQLITE_OK || log != done {
+                    log::debug!("rescue checkpoint of a deleted WAL not done yet (SQLite code {rc}); retrying");
+                    return false;
+                }
+                if files.check(files.wal_id) == Moved::Database {
+                    // SAFETY: see `SendHandle`.
+                    unsafe { guard.note_gone(db.0, &files.db) };
+                } else if !guard.wal_reported.swap(true, Ordering::SeqCst) {
+                    log::error!(
+                        "the WAL file {} was deleted while the inbox had it open: its frames were checkpointed \
+                         into the database file; reopen the inbox to get a new WAL",
+                        files.wal.display()
+                    );
+                }
+                true
+            }
+        }
+    })
 }
 
 /// Armed while a handler runs ([`Db::arm_handler_guard`]); disarms on drop, also when the handler panics.
@@ -97,6 +230,8 @@ unsafe impl Send for Db {}
 
 impl Drop for Db {
     fn drop(&mut self) {
+        // The thread uses the connection: it stops first.
+        drop(self.waiter.take());
         // SAFETY: the statements are dropped exactly once, here, and before the connection they borrow;
         // `conn` came from `Box::into_raw` in `Db::new` and is freed exactly once.
         unsafe {
@@ -118,28 +253,24 @@ impl Db {
     /// Takes an opened connection with the current schema, at `synchronous` level `durable`, and prepares
     /// the hot statements on it.
     pub(crate) fn new(conn: Connection, durable: i64) -> rusqlite::Result<Db> {
-        let wal = conn
+        // Learned now, from the files the connection has just opened (it read the database, so its WAL is open).
+        let files = conn
             .path()
             .filter(|p| !p.is_empty())
-            .map(|p| std::path::PathBuf::from(format!("{p}-wal")));
-        let wal_watch = wal.as_deref().map(WalWatch::new);
+            .map(|p| Files::at_open(std::path::Path::new(p)));
+        let path = files.as_ref().map(|f| f.db.clone()).unwrap_or_default();
+        let wal_watch = files.as_ref().map(|f| WalWatch::new(&f.db));
         let conn = NonNull::from(Box::leak(Box::new(conn)));
         // SAFETY: the allocation lives until `Drop`, which releases every statement first; no `'static`
         // statement or reference is ever handed out of this module.
         let c: &'static Connection = unsafe { &*conn.as_ptr() };
         let prepared = Self::prepare(c);
         let guard = Arc::new(HandlerGuard::default());
-        {
-            let g = guard.clone();
-            // `true` turns the COMMIT into a ROLLBACK.
-            c.commit_hook(Some(move || g.active.load(Ordering::SeqCst)));
-            let g = guard.clone();
-            c.rollback_hook(Some(move || {
-                if g.active.load(Ordering::SeqCst) {
-                    g.ended.store(true, Ordering::SeqCst);
-                }
-            }));
-        }
+        guard.install(c);
+        let waiter = match (&prepared, &files) {
+            (Ok(_), Some(f)) => spawn_waiter(c, f, &guard),
+            _ => None,
+        };
         match prepared {
             Ok(hot) => Ok(Db {
                 hot: ManuallyDrop::new(hot),
@@ -148,9 +279,11 @@ impl Db {
                 current: Cell::new(durable),
                 relaxed: Cell::new(false),
                 outbox: Default::default(),
-                wal,
+                wal_id: Cell::new(files.as_ref().and_then(|f| f.wal_id)),
+                files,
                 wal_watch,
-                wal_id: Cell::new(None),
+                waiter,
+                path,
                 slow_commit: None,
                 guard,
                 id_key: crate::store::identity::IdKey::UNKEYED,
@@ -250,9 +383,17 @@ impl Db {
     /// Refuses every commit on this connection until the returned value is dropped, and starts noting
     /// whether the open transaction ends. For the span of one handler call, inside the inbox's transaction.
     pub(crate) fn arm_handler_guard(&self) -> Armed<'_> {
+        // The application may have replaced the hooks since (they are reserved, but nothing stops it).
+        self.guard.install(self);
         self.guard.ended.store(false, Ordering::SeqCst);
         self.guard.active.store(true, Ordering::SeqCst);
         Armed(&self.guard)
+    }
+
+    /// After a handler ran: puts the guard's hooks back if the handler replaced them, and says whether it
+    /// did (then nothing can vouch that none of its statements committed on its own).
+    pub(crate) fn handler_replaced_guard(&self) -> bool {
+        !self.guard.install(self)
     }
 
     /// True when the transaction the armed handler runs in is gone (rolled back by SQLite or by the handler,
@@ -265,29 +406,63 @@ impl Db {
         self.hot.begin.borrow_mut().execute([]).map(drop)
     }
 
-    /// True when the WAL file is gone from its path while this connection has it open (someone deleted it).
-    /// Frames committed since then live only in the unlinked file and vanish if the process dies. A `stat`
-    /// once, then only when the directory watch says the path may have changed (always, without a watch).
-    pub(crate) fn wal_unlinked(&self) -> bool {
-        use std::os::unix::fs::MetadataExt;
-        let Some(path) = self.wal.as_deref() else {
-            return false;
+    /// Which of the database file and its WAL is gone from its path (deleted, renamed away, replaced) while
+    /// this connection has it open. Frames committed since then live only in the unlinked file and vanish if
+    /// the process dies. Two `stat`s only when the directory watch says a path may have changed (always,
+    /// without a watch), and once a second as a backstop; `Database` at once if that is already known.
+    pub(crate) fn moved(&self) -> Moved {
+        let Some(files) = &self.files else {
+            return Moved::Neither;
         };
+        if self.guard.gone.load(Ordering::SeqCst) {
+            return Moved::Database;
+        }
         let known = self.wal_id.get().is_some();
         if known && !self.wal_watch.as_ref().is_none_or(WalWatch::maybe_changed) {
-            return false;
+            return Moved::Neither;
         }
-        let Ok(meta) = std::fs::symlink_metadata(path) else {
-            return true;
-        };
-        let id = (meta.dev(), meta.ino());
-        match self.wal_id.get() {
-            None => {
+        if !known {
+            if let Some(id) = crate::store::files::file_id(&files.wal) {
                 self.wal_id.set(Some(id));
-                false
             }
-            Some(ours) => ours != id,
         }
+        files.check(self.wal_id.get())
+    }
+
+    /// True when the database file is gone from its path (a `stat`, or already known).
+    pub(crate) fn database_moved(&self) -> bool {
+        self.guard.gone.load(Ordering::SeqCst)
+            || self
+                .files
+                .as_ref()
+                .is_some_and(|f| f.check(self.wal_id.get()) == Moved::Database)
+    }
+
+    /// Records that the database file is gone from its path (see [`Moved::Database`]): every later commit is
+    /// refused, also of the application's own statements, and the connection leaves the files now at the path
+    /// alone when it closes. Returns the error to report.
+    pub(crate) fn database_gone(&self) -> Error {
+        // The application may have replaced the hook that refuses the commits.
+        self.guard.install(self);
+        // SAFETY: this connection's handle, on its own thread.
+        unsafe { self.guard.note_gone(self.handle(), &self.path) };
+        Error::DatabaseGone {
+            path: self.path.clone(),
+        }
+    }
+
+    /// The error every write reports once the database file is known to be gone, if it is.
+    pub(crate) fn gone(&self) -> Option<Error> {
+        self.guard
+            .gone
+            .load(Ordering::SeqCst)
+            .then(|| self.database_gone())
+    }
+
+    /// The connection's own WAL is gone from its path: on close, leave whatever is there now alone.
+    pub(crate) fn keep_wal_on_close(&self) {
+        // SAFETY: this connection's handle, on its own thread.
+        unsafe { crate::store::files::keep_wal_on_close(self.handle()) };
     }
 
     pub(crate) fn commit_raw(&self) -> rusqlite::Result<()> {

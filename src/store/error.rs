@@ -139,8 +139,19 @@ pub enum Error {
     /// The inbox's transaction ended while a handler ran: the handler ran `COMMIT` or `ROLLBACK` through
     /// [`Tx::sql`](crate::Tx::sql), or SQLite rolled it back by itself (a trigger's `RAISE(ROLLBACK)`,
     /// `INSERT OR ROLLBACK`). Nothing the handler wrote committed; the batch failed and nothing of it may be
-    /// acked.
+    /// acked. Also returned when the handler replaced the connection's commit or rollback hook, which guard
+    /// its transaction: then what it committed on its own meanwhile, if anything, cannot be undone.
     HandlerEndedTransaction,
+    /// The database file is no longer the file at its path: deleted (`rm inbox.db*`), renamed away or
+    /// replaced while this inbox had it open. Whatever this inbox writes from then on goes into a file
+    /// without that name, lost when it closes, so the commit that noticed it, and every write after it on this
+    /// inbox, fails with this error: nothing of it may be acked. Not retryable: an operator acts, and the
+    /// application reopens the inbox, which then works on whatever file is at `path` (after a deletion, a
+    /// new, empty database that knows none of the deleted file's identities).
+    DatabaseGone {
+        /// The path the inbox was opened on.
+        path: PathBuf,
+    },
 }
 
 impl Error {
@@ -216,6 +227,12 @@ impl fmt::Display for Error {
             Error::HandlerEndedTransaction => {
                 f.write_str("the handler ended the inbox's transaction; batch not acknowledged")
             }
+            Error::DatabaseGone { path } => write!(
+                f,
+                "the database file {} was deleted or replaced while the inbox had it open; nothing written \
+                 since is durable, reopen the inbox",
+                path.display()
+            ),
         }
     }
 }

@@ -5,6 +5,7 @@
 pub(crate) mod config;
 pub(crate) mod db;
 pub(crate) mod error;
+pub(crate) mod files;
 pub(crate) mod identity;
 pub(crate) mod outcome;
 pub(crate) mod schema;

@@ -101,7 +101,13 @@ fn install_busy_handler(conn: &Connection, timeout: std::time::Duration) -> rusq
 }
 
 fn open_once(path: &Path, config: &Config) -> Result<Connection> {
-    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    // Serialized where a thread of the connection's own may act on a deleted WAL while it is idle
+    // (`store/db.rs`, `spawn_waiter`): SQLite's mutex then orders its calls with the owner's.
+    #[cfg(target_os = "linux")]
+    let threading = OpenFlags::SQLITE_OPEN_FULL_MUTEX;
+    #[cfg(not(target_os = "linux"))]
+    let threading = OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | threading;
     let conn = match &config.vfs {
         None => Connection::open_with_flags(path, flags),
         Some(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs.as_str()),

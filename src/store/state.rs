@@ -92,6 +92,10 @@ impl<'a> Tx<'a> {
     /// error, a trigger's `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK`), later statements would run in
     /// autocommit, and the inbox refuses those commits (the statement fails with
     /// `SQLITE_CONSTRAINT_COMMITHOOK`) and fails the batch with [`Error::HandlerEndedTransaction`].
+    ///
+    /// Its commit and rollback hooks are that guard and reserved: a handler that replaces them
+    /// (`commit_hook`, `rollback_hook`) fails its call with [`Error::HandlerEndedTransaction`], and what it
+    /// committed on its own meanwhile cannot be undone. A handler's writes commit when the call returns `Ok`.
     pub fn sql(&self) -> &Connection {
         self.conn
     }

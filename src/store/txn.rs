@@ -5,6 +5,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::store::db::Db;
 use crate::store::error::{extended_code, Error, Result};
+use crate::store::files::Moved;
 
 pub(crate) fn unix_now() -> i64 {
     SystemTime::now()
@@ -14,11 +15,15 @@ pub(crate) fn unix_now() -> i64 {
 }
 
 /// Starts a write transaction: rolls back one left open by an interrupted call (a handler that panicked),
-/// puts the connection at the durability this transaction needs, then `BEGIN IMMEDIATE`.
+/// refuses if the database file is known to be gone from its path ([`Error::DatabaseGone`]), puts the
+/// connection at the durability this transaction needs, then `BEGIN IMMEDIATE`.
 pub(crate) fn begin(conn: &Db) -> Result<()> {
     if !conn.is_autocommit() {
         log::warn!("rolling back a transaction left open by an earlier, interrupted call");
         conn.execute_batch("ROLLBACK")?;
+    }
+    if let Some(gone) = conn.gone() {
+        return Err(gone);
     }
     conn.prepare_level()?;
     conn.begin_immediate()?;
@@ -26,7 +31,8 @@ pub(crate) fn begin(conn: &Db) -> Result<()> {
 }
 
 /// `COMMIT`, its failure classified by the extended result code: a refused constraint, a busy database or a
-/// full disk leave nothing committed; any other failure (I/O above all) leaves the outcome unknown.
+/// full disk leave nothing committed; any other failure (I/O above all) leaves the outcome unknown. A commit
+/// into a database file that is no longer at its path is [`Error::DatabaseGone`]: it can never be durable.
 pub(crate) fn commit(conn: &Db) -> Result<()> {
     let started = conn.slow_commit.map(|_| std::time::Instant::now());
     conn.commit_raw().map_err(|e| {
@@ -48,17 +54,21 @@ pub(crate) fn commit(conn: &Db) -> Result<()> {
             log::warn!("slow commit: COMMIT took {took:?} (warning threshold {threshold:?})");
         }
     }
-    if conn.wal_unlinked() {
-        return rescue_unlinked_wal(conn);
+    match conn.moved() {
+        Moved::Neither => Ok(()),
+        Moved::Wal => rescue_unlinked_wal(conn),
+        Moved::Database => Err(conn.database_gone()),
     }
-    Ok(())
 }
 
 /// The WAL was deleted while open: the commit just made (and every frame not yet checkpointed) is only in the
 /// unlinked file, which a crash would take with it. Copy it all into the database file (a FULL checkpoint,
 /// fsynced) before reporting success; if that cannot be done, the outcome is not durable: `CommitUnknown`.
+/// Unless the database file has gone from its path too: then nothing can be durable (`DatabaseGone`).
 #[cold]
 fn rescue_unlinked_wal(conn: &Db) -> Result<()> {
+    // Closing must not delete by name the WAL and index another connection may have created there since.
+    conn.keep_wal_on_close();
     let unknown = |code: i32, why: &str| Error::CommitUnknown {
         code,
         source: rusqlite::Error::SqliteFailure(
@@ -75,6 +85,9 @@ fn rescue_unlinked_wal(conn: &Db) -> Result<()> {
     });
     match result {
         Ok((0, log, done)) if log == done => {
+            if conn.database_moved() {
+                return Err(conn.database_gone());
+            }
             log::error!(
                 "the WAL file was deleted while the inbox was open: committed frames were checkpointed into the \
                  database file; reopen the inbox to get a new WAL"
