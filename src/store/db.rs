@@ -154,7 +154,9 @@ impl HandlerGuard {
 struct SendHandle(*mut rusqlite::ffi::sqlite3);
 
 // SAFETY: only used while the connection is open (the `Db` joins the thread before closing it), and only on a
-// connection in serialized mode, where SQLite's own mutex orders every call on it.
+// connection in serialized mode, where SQLite's own mutex orders every call on it. (The thread's checkpoint
+// may then set the connection's error message between an owner's failing call and its reading the message;
+// result codes, which are all the inbox classifies by, come back from each call itself.)
 unsafe impl Send for SendHandle {}
 
 /// The thread that acts on a deletion while the connection is idle: the database file gone, it marks the
