@@ -294,7 +294,7 @@ mod linux {
         };
         let stop_fd = stop.as_raw_fd();
         let thread = std::thread::Builder::new()
-            .name("edge-inbox-watch".into())
+            .name("inbox-watch".into())
             .stack_size(256 * 1024)
             .spawn(move || {
                 let mut settled = true;
