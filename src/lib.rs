@@ -535,6 +535,7 @@ pub use crate::store::config::{Config, Limits, Synchronous};
 pub use crate::store::error::{Error, InvalidDelivery, Result};
 pub use crate::store::identity::{Delivery, Fingerprint, IdHash, IdKey, ID_KEY_LEN};
 pub use crate::store::outcome::{MessageState, Outcome, SequenceConflictCause, Status};
+pub use crate::store::records::QUARANTINE_PREFIX;
 pub use crate::store::schema::{open_read_only, SCHEMA_VERSION};
 pub use crate::store::state::Tx;
 
