@@ -238,6 +238,33 @@ pub struct PrunePreview {
     pub dead_letters_due: u64,
     /// Identities past the identity horizon whose stored message is gone or due as well.
     pub identities_due: u64,
+    /// Quarantine records whose last arrival is older than the record age.
+    pub quarantine_due: u64,
+    /// Conflict records whose last arrival is older than the record age.
+    pub conflicts_due: u64,
+}
+
+/// Quarantine and conflict records of scope `scope_id` due for deletion at `now` (none before schema version 4,
+/// which added the record age).
+fn records_due(conn: &Connection, scope_id: i64, now: i64) -> Result<(u64, u64)> {
+    if crate::store::schema::version(conn)? < 4 {
+        return Ok((0, 0));
+    }
+    let age: Option<i64> = conn
+        .prepare_cached("SELECT record_age FROM retention WHERE scope_id = ?1")?
+        .query_row([scope_id], |r| r.get(0))
+        .optional()?
+        .flatten();
+    let Some(age) = age else { return Ok((0, 0)) };
+    let cutoff = now.saturating_sub(age);
+    let due = |table: &str| -> Result<u64> {
+        Ok(u(conn
+            .prepare_cached(&format!(
+                "SELECT count(*) FROM {table} WHERE scope_id = ?1 AND last_at <= ?2"
+            ))?
+            .query_row((scope_id, cutoff), |r| r.get(0))?))
+    };
+    Ok((due("quarantine")?, due("conflicts")?))
 }
 
 /// Health of the file: `PRAGMA integrity_check` and the settings found; see [`check`].
@@ -683,11 +710,14 @@ pub fn prune_preview(conn: &Connection, now: i64) -> Result<Vec<PrunePreview>> {
                         |r| r.get(0),
                     )?,
             };
+            let (quarantine_due, conflicts_due) = records_due(conn, id, now)?;
             out.push(PrunePreview {
                 scope: name,
                 payloads_due: u(payloads),
                 dead_letters_due: u(dead),
                 identities_due: u(identities),
+                quarantine_due,
+                conflicts_due,
             });
         }
         Ok(out)

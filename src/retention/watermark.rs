@@ -18,6 +18,15 @@
 //! unseen), at the price of an operator look at a very late redelivery. Choose the window to cover how far
 //! behind a redelivery can come (the broker's in-flight and queued messages for the session).
 //!
+//! The identity is still (scope, producer, message id): before its sequence, a delivery's id is looked up in
+//! `watermark_recent` (UNIQUE on scope, producer and id hash), so a known id is a duplicate or a conflict under
+//! any sequence (a producer that numbers publish attempts, or republishes after a restart), and a free sequence
+//! it comes with is claimed without a row of its own (no gap is left; the id keeps its one row). An id is known
+//! while the sequence that first claimed it is in the window (one of the last [`SEQUENCE_WINDOW`] at or below
+//! the mark, or an exception). Past that it is forgotten: under a sequence at or below the mark it is
+//! quarantined (`below-window`), under a new sequence above the mark it is taken as new: beyond the window only
+//! (producer, sequence) tells numbered messages apart.
+//!
 //! Arbitration: a sequence above `high + 1` is claimed by the primary-key insert into `watermark_exceptions`; the
 //! sequence `high + 1` by moving `high`. Both happen inside the caller's `BEGIN IMMEDIATE` transaction, which holds
 //! the database's only write lock from the read of `high` to the commit, so no other writer can move it between.
