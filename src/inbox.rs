@@ -486,8 +486,9 @@ fn apply_one<H: Handler>(
 
 /// Runs `handler` on `d` inside the open savepoint and sorts what it returned. Storage trouble of the inbox's own
 /// connection fails the whole transaction (`Err`): met through the inbox's API (even if the handler swallowed
-/// the error), met on the connection through [`Tx::sql`] (see [`own_storage_failure`]), or SQLite or the handler
-/// ended the transaction; checked in that order, since a full disk makes SQLite roll back by itself. Otherwise
+/// the error), returned by the handler after it met it on the connection through [`Tx::sql`] (see
+/// [`own_storage_failure`]), SQLite or the handler ended the transaction, or met on the connection and not
+/// returned; checked in that order, since a full disk makes SQLite roll back by itself. Otherwise
 /// `Ok` carries the handler's own verdict: any error it returned, a storage error of some other database it
 /// opened itself included, is a handler failure (attempts, then a dead letter), never the inbox's trouble.
 pub(crate) fn run_handler<H: Handler>(
@@ -509,13 +510,34 @@ pub(crate) fn run_handler<H: Handler>(
     if let Some(code) = failure.get() {
         return Err(storage_error(code));
     }
-    if let Some(code) = own_storage_failure(conn) {
-        return Err(storage_error(code));
+    let own = own_storage_failure(conn);
+    // The handler returned the inbox connection's own failure (wrapped or not): that error, as before a
+    // rollback it may have caused is reported, so a full disk stays `DiskFull` (retryable).
+    if let (Some(own), Err(e)) = (own, &result) {
+        if let Some(code) = storage_code_in(e).filter(|c| c & 0xff == own & 0xff) {
+            return Err(storage_error(code));
+        }
     }
     if conn.handler_tx_ended() {
         return Err(Error::HandlerEndedTransaction);
     }
+    // Met on the inbox connection and swallowed (or another error returned): the transaction is not whole.
+    if let Some(code) = own {
+        return Err(storage_error(code));
+    }
     Ok(result)
+}
+
+/// The first storage failure code in a handler error's chain (a rusqlite error, or an inbox [`Error`]).
+fn storage_code_in(err: &anyhow::Error) -> Option<i32> {
+    err.chain().find_map(|cause| {
+        let code = match cause.downcast_ref::<rusqlite::Error>() {
+            Some(rusqlite::Error::SqliteFailure(e, _)) => Some(e.extended_code),
+            Some(_) => None,
+            None => cause.downcast_ref::<Error>().and_then(Error::sqlite_code),
+        };
+        code.filter(|c| is_storage_failure(*c))
+    })
 }
 
 /// Claims the sequence of a numbered delivery in a scope with sequence watermarks, inside the caller's open
