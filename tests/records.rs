@@ -230,9 +230,9 @@ fn watermark_inbox(dir: &std::path::Path) -> Inbox {
 fn a_known_id_under_a_new_sequence_is_recognised_in_a_watermark_scope() {
     let dir = tempfile::tempdir().unwrap();
     let mut inbox = watermark_inbox(dir.path());
-    let mut applied = 0;
+    let applied = std::cell::Cell::new(0);
     let mut count_effect = |_: &mut Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> {
-        applied += 1;
+        applied.set(applied.get() + 1);
         Ok(())
     };
     let first = Delivery::new("s", "evt-42", "t", b"v")
@@ -268,12 +268,41 @@ fn a_known_id_under_a_new_sequence_is_recognised_in_a_watermark_scope() {
         inbox.process(&next, &mut count_effect).unwrap(),
         Outcome::Processed
     ));
-    assert_eq!(applied, 2);
+    assert_eq!(applied.get(), 2);
+    // Another id on a sequence a repeat claimed (2) has nothing to be compared with: quarantined, not applied.
+    let reuse = Delivery::new("s", "evt-99", "t", b"v")
+        .with_producer("p")
+        .with_sequence(2);
+    let o = inbox.process(&reuse, &mut count_effect).unwrap();
+    assert!(matches!(o, Outcome::SequenceConflict { .. }), "{o:?}");
+    // Within one batch too: the second copy is found by its id.
+    let batch = [
+        Delivery::new("s", "evt-44", "t", b"v")
+            .with_producer("p")
+            .with_sequence(5),
+        Delivery::new("s", "evt-44", "t", b"v")
+            .with_producer("p")
+            .with_sequence(6),
+    ];
+    let out = inbox.process_batch(&batch, &mut count_effect).unwrap();
+    assert!(
+        matches!(out[..], [Outcome::Processed, Outcome::Duplicate]),
+        "{out:?}"
+    );
+    assert_eq!(applied.get(), 3);
     let wm = inbox.watermark("s", "p").unwrap();
-    assert_eq!(wm.high, Some(4), "{wm:?}");
+    assert_eq!(wm.high, Some(6), "{wm:?}");
     assert_eq!(wm.exceptions, vec![50]);
     let st = inbox.scope_stats("s").unwrap();
-    assert_eq!((st.processed, st.duplicates, st.conflicts), (2, 2, 1));
+    assert_eq!(
+        (
+            st.processed,
+            st.duplicates,
+            st.conflicts,
+            st.sequence_conflicts
+        ),
+        (3, 3, 1, 1)
+    );
 }
 
 #[test]
@@ -340,8 +369,10 @@ fn a_hundred_quarantined_8_mib_deliveries_grow_the_file_by_less_than_1_mib() {
     checkpoint(&inbox);
     let before = file_bytes(&path);
     let mut payload = vec![0u8; 8 << 20];
+    garbage(&mut payload, 1);
     for i in 0..100u64 {
-        garbage(&mut payload, i + 1);
+        // A different delivery each time: its first bytes differ.
+        payload[..8].copy_from_slice(&i.to_le_bytes());
         inbox
             .quarantine(
                 "s",
@@ -364,7 +395,7 @@ fn a_hundred_quarantined_8_mib_deliveries_grow_the_file_by_less_than_1_mib() {
         8 << 20,
         "the full length is recorded"
     );
-    garbage(&mut payload, 1);
+    payload[..8].copy_from_slice(&0u64.to_le_bytes());
     let hash: String = xxhash_rust::xxh3::xxh3_128(&payload)
         .to_be_bytes()
         .iter()

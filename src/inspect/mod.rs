@@ -344,12 +344,13 @@ pub enum ExportRow {
     },
     /// A conflict record.
     Conflict(ConflictReport),
-    /// A quarantined delivery and its payload.
+    /// A quarantined delivery and the part of its payload its record keeps.
     Quarantine {
         /// The row without its payload.
         #[serde(flatten)]
         record: QuarantineReport,
-        /// The payload.
+        /// The payload's first [`QUARANTINE_PREFIX`](crate::QUARANTINE_PREFIX) bytes (the whole payload in a
+        /// file of schema version 3 or older).
         #[serde(serialize_with = "bytes")]
         payload: Vec<u8>,
     },
