@@ -231,7 +231,7 @@ fn a_known_id_under_a_new_sequence_is_recognised_in_a_watermark_scope() {
     let dir = tempfile::tempdir().unwrap();
     let mut inbox = watermark_inbox(dir.path());
     let applied = std::cell::Cell::new(0);
-    let mut count_effect = |_: &mut Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> {
+    let count_effect = |_: &mut Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> {
         applied.set(applied.get() + 1);
         Ok(())
     };
@@ -239,25 +239,25 @@ fn a_known_id_under_a_new_sequence_is_recognised_in_a_watermark_scope() {
         .with_producer("p")
         .with_sequence(1);
     assert!(matches!(
-        inbox.process(&first, &mut count_effect).unwrap(),
+        inbox.process(&first, count_effect).unwrap(),
         Outcome::Processed
     ));
     let again = Delivery::new("s", "evt-42", "t", b"v")
         .with_producer("p")
         .with_sequence(2);
-    let o = inbox.process(&again, &mut count_effect).unwrap();
+    let o = inbox.process(&again, count_effect).unwrap();
     assert!(matches!(o, Outcome::Duplicate), "{o:?}");
     let changed = Delivery::new("s", "evt-42", "t", b"w")
         .with_producer("p")
         .with_sequence(3);
-    let o = inbox.process(&changed, &mut count_effect).unwrap();
+    let o = inbox.process(&changed, count_effect).unwrap();
     assert!(matches!(o, Outcome::Conflict { .. }), "{o:?}");
     // The same id again far above the mark, and below it (its sequence 1 is still in the window).
     let later = Delivery::new("s", "evt-42", "t", b"v")
         .with_producer("p")
         .with_sequence(50);
     assert!(matches!(
-        inbox.process(&later, &mut count_effect).unwrap(),
+        inbox.process(&later, count_effect).unwrap(),
         Outcome::Duplicate
     ));
     // A new message on the next sequence is applied: the repeats left no gap behind them.
@@ -265,7 +265,7 @@ fn a_known_id_under_a_new_sequence_is_recognised_in_a_watermark_scope() {
         .with_producer("p")
         .with_sequence(4);
     assert!(matches!(
-        inbox.process(&next, &mut count_effect).unwrap(),
+        inbox.process(&next, count_effect).unwrap(),
         Outcome::Processed
     ));
     assert_eq!(applied.get(), 2);
@@ -273,7 +273,7 @@ fn a_known_id_under_a_new_sequence_is_recognised_in_a_watermark_scope() {
     let reuse = Delivery::new("s", "evt-99", "t", b"v")
         .with_producer("p")
         .with_sequence(2);
-    let o = inbox.process(&reuse, &mut count_effect).unwrap();
+    let o = inbox.process(&reuse, count_effect).unwrap();
     assert!(matches!(o, Outcome::SequenceConflict { .. }), "{o:?}");
     // Within one batch too: the second copy is found by its id.
     let batch = [
@@ -284,7 +284,7 @@ fn a_known_id_under_a_new_sequence_is_recognised_in_a_watermark_scope() {
             .with_producer("p")
             .with_sequence(6),
     ];
-    let out = inbox.process_batch(&batch, &mut count_effect).unwrap();
+    let out = inbox.process_batch(&batch, count_effect).unwrap();
     assert!(
         matches!(out[..], [Outcome::Processed, Outcome::Duplicate]),
         "{out:?}"
