@@ -215,9 +215,9 @@ CREATE TABLE watermark_exceptions (
 -- The identity of the most recent claimed sequences of each producer (a bounded window, see
 -- src/retention/watermark.rs): a sequence that comes again is compared with the message that claimed it, so a
 -- producer whose counter restarted is detected instead of being taken for a duplicate; and a message id that
--- comes again under another sequence is found by the UNIQUE index on (scope, producer, id_hash), which also
--- arbitrates that one id claims at most one row (a repeat under a new sequence claims that sequence in the
--- watermark, without a row of its own).
+-- comes again under another sequence is found by the UNIQUE index on (scope, id_hash) (id_hash covers the
+-- producer; without its name the index stays small), which also arbitrates that one id claims at most one row
+-- (a repeat under a new sequence claims that sequence in the watermark, without a row of its own).
 CREATE TABLE watermark_recent (
     scope_id    INTEGER NOT NULL,
     producer    TEXT    NOT NULL,
@@ -226,7 +226,7 @@ CREATE TABLE watermark_recent (
     fingerprint INTEGER NOT NULL,
     PRIMARY KEY (scope_id, producer, sequence)
 ) WITHOUT ROWID;
-CREATE UNIQUE INDEX watermark_recent_by_id ON watermark_recent (scope_id, producer, id_hash);
+CREATE UNIQUE INDEX watermark_recent_by_id ON watermark_recent (scope_id, id_hash);
 
 -- Retention policy and bookkeeping per scope. Durable, so every connection and process sharing the file applies
 -- the same rules. Ages are seconds; NULL keeps forever. watermarks is fixed before the scope's first delivery.

@@ -458,7 +458,7 @@
 //! - **sequence watermarks** ([`RetentionPolicy::sequence_watermarks`], opt-in per new scope): when producers
 //!   number their messages, contiguous processed ranges collapse into one high-water mark per producer plus the
 //!   few sequences that arrived out of order, so deduplication stays exact for ever in O(producers) space
-//!   (10 million messages from 100 producers: an 84 KiB file, plus the window below). A repeated sequence is
+//!   (10 million messages from 100 producers: an 84 KiB file, plus the window below, about 10 KiB per producer). A repeated sequence is
 //!   never a duplicate on its number alone: the identity and fingerprint of the last [`SEQUENCE_WINDOW`]
 //!   sequences of each producer (and of every out-of-order one) are kept, so the same message is a duplicate,
 //!   the same id with other content a conflict, and another id (a producer that restarted its counter, or two

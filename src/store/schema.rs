@@ -92,9 +92,9 @@ fn migrate_3_to_4(conn: &Connection) -> rusqlite::Result<()> {
            quarantine_records = (SELECT count(*) FROM quarantine q WHERE q.scope_id = scope_stats.scope_id); \
          ALTER TABLE retention ADD COLUMN record_age INTEGER; \
          DELETE FROM watermark_recent AS w WHERE EXISTS (SELECT 1 FROM watermark_recent o \
-           WHERE o.scope_id = w.scope_id AND o.producer = w.producer AND o.id_hash = w.id_hash \
+           WHERE o.scope_id = w.scope_id AND o.id_hash = w.id_hash \
            AND o.sequence > w.sequence); \
-         CREATE UNIQUE INDEX watermark_recent_by_id ON watermark_recent (scope_id, producer, id_hash);",
+         CREATE UNIQUE INDEX watermark_recent_by_id ON watermark_recent (scope_id, id_hash);",
     )
 }
 
