@@ -16,13 +16,18 @@
 //! `inventory --help`, `inventory run --help` and `inventory report --help` describe every flag.
 //!
 //! `run` consumes until SIGINT/SIGTERM (the batch in flight is committed and acked first), or, with
-//! `--exit-when-idle SECS`, until nothing has arrived for SECS and nothing is left to do (below).
+//! `--exit-when-idle SECS`, until nothing has arrived for SECS and nothing is left to do (below). It exits 0
+//! after such a stop and non-zero when it cannot go on, for a supervisor to see: a worker thread or the
+//! relay thread ended by itself (the consumer is stopped gracefully first), or the consumer returned
+//! without a stop or an idle exit (its connection thread is gone).
 //!
 //! - `--username NAME`: log in as NAME. The password comes from the environment variable `MQTT_PASSWORD` or
 //!   from `--password-file FILE` (its contents, one trailing newline removed; the file wins over the
 //!   variable), and is required with a user name. There is deliberately no `--password`: a command-line
-//!   value is visible to every user of the machine. The password is never logged (the connection settings
-//!   are logged with it redacted).
+//!   value is visible to every user of the machine. A password file that group or others may access (any
+//!   of the mode bits 077) is refused, as ssh refuses such a private key: `chmod 600 FILE`. Without
+//!   `--tls-ca` the password crosses the network in clear text: the run logs a warning saying so, once. The
+//!   password is never logged (the connection settings are logged with it redacted).
 //! - `--tls-ca FILE`: connect over TLS, trusting the CA certificates in FILE (PEM); the broker's certificate
 //!   must name HOST.
 //! - `--receive-only`: each delivery is stored as *pending* and acked once that commit is durable; `N`
@@ -156,6 +161,7 @@ struct RunFlags {
     #[arg(long, value_name = "NAME")]
     username: Option<String>,
     /// Read the password for --username from FILE (one trailing newline removed); wins over MQTT_PASSWORD.
+    /// Refused unless only its owner may access it (chmod 600).
     #[arg(long, value_name = "FILE")]
     password_file: Option<PathBuf>,
     /// Connect over TLS, trusting the CA certificates (PEM) in FILE; the broker's certificate must name HOST.
@@ -258,20 +264,30 @@ fn run_args(flags: RunFlags) -> anyhow::Result<RunArgs> {
         bail!("--workers N is for --receive-only");
     }
     let workers = flags.receive_only.then(|| flags.workers.unwrap_or(1));
-    let password = match &flags.password_file {
-        Some(path) => Some(read_password(path)?),
-        None => std::env::var("MQTT_PASSWORD").ok(),
-    };
-    let credentials = match (flags.username, password) {
-        (Some(user), Some(password)) => Some((user, password)),
-        (Some(_), None) => {
-            bail!("--username needs a password: set MQTT_PASSWORD or use --password-file FILE")
+    // MQTT_PASSWORD alone may be meant for another program: only a file given here is an error.
+    if flags.username.is_none() && flags.password_file.is_some() {
+        bail!("--password-file needs --username NAME");
+    }
+    let credentials = match flags.username {
+        None => None,
+        Some(user) => {
+            let password = match &flags.password_file {
+                Some(path) => read_password(path)?,
+                None => std::env::var("MQTT_PASSWORD").map_err(|_| {
+                    anyhow::anyhow!(
+                        "--username needs a password: set MQTT_PASSWORD or use --password-file FILE"
+                    )
+                })?,
+            };
+            if tls_ca.is_none() {
+                // Once per run, not per connection: the consumer, the relay and every reconnect log in.
+                log::warn!(
+                    "the MQTT password of {user:?} is sent in clear text: the connection is not encrypted \
+                     (no --tls-ca FILE), so anyone on the network path can read it"
+                );
+            }
+            Some((user, password))
         }
-        // MQTT_PASSWORD alone may be meant for another program: only a file given here is an error.
-        (None, Some(_)) if flags.password_file.is_some() => {
-            bail!("--password-file needs --username NAME")
-        }
-        (None, _) => None,
     };
     Ok(RunArgs {
         broker: flags.broker,
@@ -287,9 +303,31 @@ fn run_args(flags: RunFlags) -> anyhow::Result<RunArgs> {
 }
 
 /// The password in `path`: its contents without one trailing newline. The error never shows the contents.
+///
+/// Refused, as ssh refuses a private key, when group or others have any access to the file: a password
+/// others can read is no secret, and a warning would be easy to miss. The mode is read from the opened file,
+/// so it is the one of the file read.
 fn read_password(path: &Path) -> anyhow::Result<String> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("--password-file: cannot read {}", path.display()))?;
+    use std::io::Read;
+    use std::os::unix::fs::PermissionsExt;
+    let cannot_read = || format!("--password-file: cannot read {}", path.display());
+    let mut file = std::fs::File::open(path).with_context(cannot_read)?;
+    let mode = file
+        .metadata()
+        .with_context(cannot_read)?
+        .permissions()
+        .mode()
+        & 0o7777;
+    if mode & 0o077 != 0 {
+        bail!(
+            "--password-file: {} is accessible by group or others (mode {mode:04o}); \
+             make it private: chmod 600 {}",
+            path.display(),
+            path.display()
+        );
+    }
+    let mut text = String::new();
+    file.read_to_string(&mut text).with_context(cannot_read)?;
     let password = text
         .strip_suffix('\n')
         .map(|t| t.strip_suffix('\r').unwrap_or(t))
@@ -343,7 +381,18 @@ fn consume(broker: &str, db: &Path, run: &RunArgs) -> anyhow::Result<edge_inbox:
         None
     };
     let workers = Workers::start(db, run.workers.unwrap_or(0), run.announce)?;
-    let summary = consumer.run(handler(run.announce));
+    // A worker or the relay that ends by itself stops the consumer: the run cannot do its job any more,
+    // and a supervisor must see that (a non-zero exit), not a process that consumes for nobody.
+    let consuming = AtomicBool::new(true);
+    let (summary, lost) = std::thread::scope(|s| {
+        let watcher = s.spawn(|| watch(&workers, relay.as_ref(), &stop, &consuming));
+        let summary = consumer.run(handler(run.announce));
+        consuming.store(false, Ordering::SeqCst);
+        let lost = watcher.join().unwrap_or(Some(
+            "the thread watching the workers and the relay panicked",
+        ));
+        (summary, lost)
+    });
     // Idle: what was received is applied (and announced) before the exit; a signal skips the waits.
     let idle = run.exit_when_idle.map(Duration::from_secs);
     let drained = match idle {
@@ -354,12 +403,52 @@ fn consume(broker: &str, db: &Path, run: &RunArgs) -> anyhow::Result<edge_inbox:
     if let (Some(idle), Some(relay), true) = (idle, &relay, summary.is_ok() && drained.is_ok()) {
         wait_for_outbox(db, relay, &stop, idle.max(Duration::from_secs(10)))?;
     }
+    // Asked to stop only below: a relay that is not running now ended by itself.
+    let relay_lost = relay.as_ref().is_some_and(|r| !r.is_running());
     if let Some(relay) = relay {
         log::info!("relay stopped: {:?}", relay.stop());
     }
     drained?;
     stopped?;
-    Ok(summary?)
+    let summary = summary?;
+    if relay_lost {
+        bail!("the outbox relay thread ended by itself (see the log above): announcements were not sent");
+    }
+    if let Some(why) = lost {
+        bail!("{why} while the consumer ran (see the log above)");
+    }
+    // `run` returns Ok on a stop, on an idle exit, and when its connection thread is gone: the last is no
+    // success. (With --exit-when-idle it cannot be told from an idle exit here.)
+    if !stop.is_stopped() && idle.is_none() {
+        bail!("the consumer ended without a stop: its connection to the broker is gone (see the log above)");
+    }
+    Ok(summary)
+}
+
+/// Watches, while `consuming`, for a worker or the relay thread that ended by itself; stops the consumer
+/// and says which when one did.
+fn watch(
+    workers: &Workers,
+    relay: Option<&Relay>,
+    stop: &StopHandle,
+    consuming: &AtomicBool,
+) -> Option<&'static str> {
+    while consuming.load(Ordering::SeqCst) {
+        let lost = if workers.threads.iter().any(|t| t.is_finished()) {
+            Some("a worker thread ended")
+        } else if relay.is_some_and(|r| !r.is_running()) {
+            Some("the outbox relay thread ended")
+        } else {
+            None
+        };
+        if let Some(why) = lost {
+            log::error!("{why}: stopping the consumer");
+            stop.stop();
+            return lost;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
 }
 
 /// The worker threads of `--receive-only`, each on its own connection.
@@ -468,16 +557,9 @@ fn report(db: &Path) -> anyhow::Result<String> {
     }
     let inbox = Inbox::open(db, Config::default())?;
     let mut reserved = serde_json::Map::new();
-    let mut stmt = inbox
-        .connection()
-        .prepare("SELECT substr(key, 10), value FROM kv WHERE ns = ?1 AND key LIKE 'reserved/%' ORDER BY key")?;
-    let rows = stmt.query_map([SCOPE], |r| {
-        Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
-    })?;
-    for row in rows {
-        let (sku, value) = row?;
-        let qty: i64 = ciborium::from_reader(&value[..]).context("stored quantity")?;
-        reserved.insert(sku, qty.into());
+    // What the handler wrote with `tx.put("reserved/<sku>", ..)`, in the scope's namespace.
+    for (key, qty) in inbox.entries::<i64>(SCOPE, "reserved/")? {
+        reserved.insert(key["reserved/".len()..].to_owned(), qty.into());
     }
     let stats = inbox.scope_stats(SCOPE)?;
     let backlog = inbox.backlog(SCOPE)?;

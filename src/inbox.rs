@@ -616,7 +616,11 @@ pub(crate) fn claim_identity(
     rules: &ScopeRules,
     now: i64,
 ) -> Result<Claim> {
-    if let Some(claimed) = claim_sequence(conn, d, scope_id, rules, now)? {
+    if retention::sent_before_horizon(d, rules) {
+        if let Some(claim) = claim_old_sequence(conn, d, scope_id, rules, now)? {
+            return Ok(claim);
+        }
+    } else if let Some(claimed) = claim_sequence(conn, d, scope_id, rules, now)? {
         return Ok(match claimed {
             None => Claim::Sequence,
             Some(outcome) => Claim::Settled(outcome),
@@ -628,7 +632,7 @@ pub(crate) fn claim_identity(
         scope_id,
         &id_hash.0,
         fingerprint.to_sql(),
-        stored_day(now, d.sent_at.is_some()),
+        stored_day(conn, now, d.sent_at.is_some()),
     );
     // The primary key arbitrates: `ON CONFLICT DO NOTHING` changes no row when the identity exists, and
     // saves building an error (and its message) on the duplicate path.
@@ -644,6 +648,38 @@ pub(crate) fn claim_identity(
     }
 }
 
+/// [`claim_sequence`] for a delivery sent before what the scope's horizon pruned: a new sequence meets the
+/// expired rule as a new identity row does, and its claim is undone unless the policy processes it. `None`:
+/// not a numbered delivery of a watermark scope.
+#[cold]
+fn claim_old_sequence(
+    conn: &Db,
+    d: &Delivery<'_>,
+    scope_id: i64,
+    rules: &ScopeRules,
+    now: i64,
+) -> Result<Option<Claim>> {
+    conn.savepoint()?;
+    let claimed = claim_sequence(conn, d, scope_id, rules, now)?;
+    let claim = match claimed {
+        None => None,
+        Some(Some(outcome)) => Some(Claim::Settled(outcome)),
+        Some(None) if retention::processes_expired(rules) => {
+            // Counted and logged; applied by policy.
+            retention::check_new_sequence(conn, d, scope_id, now, rules)?;
+            Some(Claim::Sequence)
+        }
+        Some(None) => {
+            conn.rollback_to()?;
+            let outcome = retention::check_new_sequence(conn, d, scope_id, now, rules)?
+                .expect("sent before the horizon and not processed by policy");
+            Some(Claim::Settled(outcome))
+        }
+    };
+    conn.release()?;
+    Ok(claim)
+}
+
 /// The time an identity row keeps: whole days since the Unix epoch (enough for retention, and it keeps the
 /// row small).
 pub(crate) fn identity_day(unix_seconds: i64) -> i64 {
@@ -653,8 +689,12 @@ pub(crate) fn identity_day(unix_seconds: i64) -> i64 {
 /// The `day` column of a new identity: its commit day, or `-1 - day` for a delivery that carried no send time
 /// ([`Delivery::sent_at`]). The identity horizon never prunes the latter: once its identity was gone, a
 /// repetition of it could not be told from a new message (nothing would say it is older than the horizon).
-pub(crate) fn stored_day(unix_seconds: i64, dated: bool) -> i64 {
-    let day = identity_day(unix_seconds);
+///
+/// The commit day is never before the latest clock reading retention accepted (`clock_seen`, cached on
+/// `conn` by the retention refresh of the same transaction): a commit clock running behind would date the
+/// identity too early and the horizon would delete it early; so a wrong clock can only keep it longer.
+pub(crate) fn stored_day(conn: &Db, unix_seconds: i64, dated: bool) -> i64 {
+    let day = identity_day(unix_seconds.max(conn.clock_seen.get()));
     if dated {
         day
     } else {

@@ -1,13 +1,15 @@
 // Source layout, lowest layer first; a file imports only from its own layer or below, and no files import each
 // other in a circle (`.ci/check-layers` checks both). `store/` is the storage layer: the connection and its hot
 // statements, schema and migrations, the transaction primitives and clock (`txn.rs`), errors, config, identity,
-// outcome, quarantine and conflict records and the handler's `Tx`; it imports nothing above it. `retention/mod.rs` and `retention/watermark.rs`
-// hold the rules the identity claim applies. `inbox.rs` is the strong case, where a delivery's path reads
-// top-down: identity claim, transaction, handler, commit. The features add `impl Inbox` blocks on top of it:
-// `deferred/` (receive, workers, backlog, dead letters, requeue), `outbox.rs`, `retention/prune.rs` (policies,
-// watermarks, pruning) and `retention/records.rs` (pruning records). Highest are `mqtt/` (connection, consumer, in-order acks, relay; identity extraction is
-// plain data and built without the `mqtt` feature), where the ack follows the commit, and `inspect/` with the
-// durable counters. The `pub use` list below is the whole public surface; the folders stay private.
+// outcome, quarantine and conflict records and the handler's `Tx`; it imports nothing above it.
+// `retention/mod.rs` and `retention/watermark.rs` hold the rules the identity claim applies. `inbox.rs` is the
+// strong case, where a delivery's path reads top-down: identity claim, transaction, handler, commit. The features
+// add `impl Inbox` blocks on top of it: `deferred/` (receive, workers, backlog, dead letters, requeue),
+// `outbox.rs`, `retention/prune.rs` (policies, watermarks, pruning), `retention/records.rs` (pruning quarantine
+// and conflict records), `kv.rs` (the key-value state read outside a handler). Highest are `mqtt/` (connection,
+// consumer, in-order acks, relay; identity extraction is plain data and built without the `mqtt` feature), where
+// the ack follows the commit, and `inspect/` with the durable counters. The `pub use` list below is the whole
+// public surface; the folders stay private.
 
 //! # edge-inbox
 //!
@@ -50,7 +52,10 @@
 //! let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default())?;
 //!
 //! let payload = br#"{"order":42,"sku":"A-1","qty":1,"kind":"created"}"#;
-//! let delivery = Delivery::new("inventory-reservation", "evt-42-created", "orders/42", payload);
+//! let delivery = Delivery::in_scope("inventory-reservation")
+//!     .with_message_id("evt-42-created")
+//!     .with_topic("orders/42")
+//!     .with_payload(payload);
 //!
 //! let reserve = |tx: &mut edge_inbox::Tx<'_>, _d: &Delivery<'_>| -> anyhow::Result<()> {
 //!     let reserved: i64 = tx.get("A-1")?.unwrap_or(0);
@@ -112,7 +117,8 @@
 //! A handler is any `FnMut(&mut Tx, &Delivery) -> anyhow::Result<()>`. Through [`Tx`] it reads and writes
 //! the built-in key-value state (serde values stored as CBOR, namespaced by scope or by your own namespace)
 //! or, with [`Tx::sql`], its own tables in the same transaction. [`rusqlite`] is re-exported so the versions
-//! match.
+//! match. Outside a handler (a status page, a report), [`Inbox::get`] and [`Inbox::entries`] read and decode
+//! that state in the same namespaces.
 //!
 //! **Nothing a handler writes commits without its identity**, even when it swallows an error. SQLite may roll
 //! the transaction back by itself (an I/O error, NOMEM, an interrupt, a trigger's `RAISE(ROLLBACK)`,
@@ -203,9 +209,11 @@
 //! consumer receiving on the same file waits for it up to its busy timeout. [`Worker::run_once`] therefore
 //! stops taking further claims into a transaction once [`WorkerConfig::lock_budget`] (default 100 ms) is used
 //! up (at least one handler runs per transaction), commits, and applies the rest of its claims in further
-//! transactions; after such a transaction it leaves the lock free for a little over SQLite's longest busy
-//! retry interval (100 ms), so a waiting receiver gets its turn and keeps acking however slow the handlers
-//! are. ([`Worker::complete`] applies exactly the claims it is given in one transaction.)
+//! transactions; after such a transaction it leaves the lock free for 120 ms, so a waiting receiver gets
+//! its turn and keeps acking however slow the handlers are. An inbox connection waiting for the lock tries
+//! again at least every millisecond; the longer gap also serves writers that wait through SQLite's own busy
+//! timeout, which sleeps up to 100 ms between tries. ([`Worker::complete`] applies exactly the claims it is
+//! given in one transaction.)
 //!
 //! A worker killed at any point leaves either nothing (the apply transaction did not commit) or a lease that
 //! expires and is claimed again: every pending message is applied exactly once in effect.
@@ -364,7 +372,9 @@
 //!   the same id**: an edge-inbox consumer downstream applies each exactly once in effect. QoS0 messages are
 //!   marked when written and may be lost. A row the broker keeps refusing ([`RelayConfig::max_refusals`]),
 //!   or one over the broker's Maximum Packet Size (announced in its CONNACK), is parked instead of holding
-//!   back the rest: kept and counted, sent again after [`Inbox::requeue_parked_outbox`].
+//!   back the rest: kept and counted, sent again after [`Inbox::requeue_parked_outbox`] (a running relay
+//!   picks it up within its poll interval, after the rows that went on meanwhile: first copies arrive in
+//!   commit order except for a refused publish resent after a backoff and such a requeued row).
 //! - **Observability and retention.** [`Inbox::outbox_backlog`] gives pending count, oldest pending age and
 //!   sent count; [`Inbox::prune_outbox`] deletes sent rows older than an age (pending rows never).
 //! - Topic, payload and properties ([`OutboxProperties`]: user properties, content type, ..., stored as CBOR;
@@ -452,29 +462,35 @@
 //!   before the database was created (a gateway without a real-time clock boots at 1970), or more than
 //!   [`Pruning::max_clock_jump`] (30 days) after the latest time a pass accepted, a pass prunes nothing
 //!   ([`PruneReport::clock_refused`]), logs a warning, and `inboxctl check` says so; [`Pruning::trust_clock`]
-//!   confirms a jump. An identity whose commit day is before the database could exist was stamped by a wrong
+//!   confirms a jump; a time stated with [`Pruning::as_of`] (`inboxctl prune --as-of`) is not held to the
+//!   jump rule. An identity whose commit day is before the database could exist was stamped by a wrong
 //!   clock: a pass re-dates it to the current day (it ages from a time that can be right, never faster),
-//!   counted as `identities_restamped`;
-//! - **sequence watermarks** ([`RetentionPolicy::sequence_watermarks`], opt-in per new scope): when producers
+//!   counted as `identities_restamped`. A commit clock that runs behind the latest time a pass accepted
+//!   cannot date an identity before that time either, so a clock that is wrong at commit can only keep an
+//!   identity longer. Each step reads the policies inside the transaction that deletes, so a policy another
+//!   process changed is applied from the next step on, never half;
+//! - **sequence watermarks** ([`RetentionPolicy::sequence_watermarks`], opt-in per new scope: refused once the
+//!   scope recorded anything, even if the horizon since pruned all its identities): when producers
 //!   number their messages, contiguous processed ranges collapse into one high-water mark per producer plus the
 //!   few sequences that arrived out of order, so deduplication stays exact for ever in O(producers) space
-//!   (10 million messages from 100 producers: an 84 KiB file, plus the window below, about 10 KiB per producer). A repeated sequence is
-//!   never a duplicate on its number alone: the identity and fingerprint of the last [`SEQUENCE_WINDOW`]
-//!   sequences of each producer (and of every out-of-order one) are kept, so the same message is a duplicate,
-//!   the same id with other content a conflict, and another id (a producer that restarted its counter, or two
-//!   producers in one namespace) an [`Outcome::SequenceConflict`]: quarantined with its reason and counted
-//!   (`sequence_conflicts`). Below the window nothing can be compared any more, so such a sequence is
-//!   quarantined too (cause `below-window`): never applied twice, never acked unseen. The identity is
-//!   (scope, producer, message id) here too: a message id known in the window is recognised whatever sequence it
-//!   comes with (a producer that numbers publish attempts, or republishes after a restart), a duplicate with the
-//!   same content and a conflict with other content, and a free sequence it comes with is claimed, so it leaves
-//!   no gap. Known means: the sequence that first claimed the id is still among the producer's last
-//!   [`SEQUENCE_WINDOW`] sequences at or below its mark, or is an out-of-order one. Beyond that the id is
-//!   forgotten: coming again under a sequence at or below the mark it is quarantined (`below-window`, never
-//!   applied twice), but under a new sequence above the mark it is taken as new and applied again: past the
-//!   window a watermark scope tells numbered messages apart by (producer, sequence) only. A producer that may
-//!   republish an id under a new number after more than [`SEQUENCE_WINDOW`] further messages should not use
-//!   watermarks for that traffic;
+//!   (10 million messages from 100 producers: an 84 KiB file, plus the window below, about 10 KiB per
+//!   producer). A repeated sequence is never a duplicate on its number alone: the identity and fingerprint of the
+//!   last [`SEQUENCE_WINDOW`] sequences of each producer (and of every out-of-order one) are kept, so the same
+//!   message is a duplicate, the same id with other content a conflict, and another id (a producer that
+//!   restarted its counter, or two producers in one namespace) an [`Outcome::SequenceConflict`]: quarantined with
+//!   its reason and counted (`sequence_conflicts`). Below the window nothing can be compared any more, so such a
+//!   sequence is quarantined too (cause `below-window`): never applied twice, never acked unseen. A numbered
+//!   delivery sent before [`Inbox::pruned_before`] whose sequence is new meets the [`ExpiredPolicy`] like any
+//!   other. The identity is (scope, producer, message id) here too: a message id known in the window is
+//!   recognised whatever sequence it comes with (a producer that numbers publish attempts, or republishes after
+//!   a restart), a duplicate with the same content and a conflict with other content, and a free sequence it
+//!   comes with is claimed, so it leaves no gap. Known means: the sequence that first claimed the id is still
+//!   among the producer's last [`SEQUENCE_WINDOW`] sequences at or below its mark, or is an out-of-order one.
+//!   Beyond that the id is forgotten: coming again under a sequence at or below the mark it is quarantined
+//!   (`below-window`, never applied twice), but under a new sequence above the mark it is taken as new and
+//!   applied again: past the window a watermark scope tells numbered messages apart by (producer, sequence)
+//!   only. A producer that may republish an id under a new number after more than [`SEQUENCE_WINDOW`] further
+//!   messages should not use watermarks for that traffic;
 //! - **quarantine and conflict records** ([`RetentionPolicy::quarantine_and_conflicts`], default: kept for
 //!   ever): records whose last arrival is older than the age are deleted by a pass (and `inboxctl prune`), a
 //!   bounded number per step; nothing else is. Set it on a scope that untrusted publishers can reach: each
@@ -513,9 +529,11 @@
 //! connection (an open inbox's, or [`open_read_only`] on a file another process is using) that return plain,
 //! serializable structs. [`Inbox::stats`] gives, per scope, the durable counters, the deferred backlog, the dead
 //! letters held and the identities retained ([`ScopeReport`]); [`Inbox::file_sizes`] the bytes of the database
-//! and its WAL. The `inboxctl` binary (feature `cli`, on by default) is a thin shell over these functions:
-//! `stats`, `show`, `conflicts`, `quarantine`, `dead-letters`, `requeue`, `prune` (a dry run unless `--apply`),
-//! `check` (`PRAGMA integrity_check` and the settings) and `export` (JSON lines or CBOR).
+//! and its WAL. The `inboxctl` binary (feature `cli`, off by default: `cargo build --features cli`) is a
+//! thin shell over these functions: `stats`, `show`, `conflicts`, `quarantine`, `dead-letters`, `requeue`,
+//! `prune` (a dry run unless `--apply`), `check` (`PRAGMA integrity_check`, the inbox's own invariants from
+//! [`inspect::check_invariants`], each breach by name, and the settings; exit code 1 on any) and `export`
+//! (JSON lines or CBOR).
 //!
 //! What the inbox does when the disk misbehaves, each case tested on real files and processes: a full disk is
 //! [`Error::DiskFull`] and a read-only file [`Error::ReadOnly`] or [`Error::Open`], with nothing written; a lock
@@ -537,6 +555,7 @@
 mod deferred;
 mod inbox;
 pub mod inspect;
+mod kv;
 mod mqtt;
 mod outbox;
 mod retention;

@@ -467,6 +467,10 @@ impl Inbox {
 
     /// Puts every parked outbox message back to pending (refusal count reset), for the relay to try again once
     /// the cause (an ACL, a topic the broker rejects) is fixed. Returns how many.
+    ///
+    /// A running relay picks them up within its poll interval ([`RelayConfig::poll_interval`](crate::RelayConfig::poll_interval)),
+    /// on the same connection, and sends them after the rows it already sent: a requeued row arrives later than
+    /// the rows committed after it, which went on while it was parked.
     pub fn requeue_parked_outbox(&mut self) -> Result<u64> {
         let n = self
             .conn
@@ -518,6 +522,24 @@ impl Inbox {
     }
 }
 
+/// A row of the relay's reads, its properties still encoded.
+#[cfg(feature = "mqtt")]
+fn outbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<(OutboxRow, Option<Vec<u8>>)> {
+    Ok((
+        OutboxRow {
+            seq: r.get(0)?,
+            producer: r.get(1)?,
+            message_id: r.get(2)?,
+            topic: r.get(3)?,
+            payload: r.get(4)?,
+            qos: Qos::from_sql(r.get(5)?),
+            properties: OutboxProperties::default(),
+            created_at: r.get(7)?,
+        },
+        r.get::<_, Option<Vec<u8>>>(6)?,
+    ))
+}
+
 /// The relay's reads and writes, on its own connection.
 #[cfg(feature = "mqtt")]
 impl Inbox {
@@ -527,21 +549,7 @@ impl Inbox {
             "SELECT seq, producer, message_id, topic, payload, qos, properties, created_at FROM outbox \
              WHERE state = 0 AND seq > ?1 ORDER BY seq LIMIT ?2",
         )?;
-        let rows = stmt.query_map((after_seq, limit as i64), |r| {
-            Ok((
-                OutboxRow {
-                    seq: r.get(0)?,
-                    producer: r.get(1)?,
-                    message_id: r.get(2)?,
-                    topic: r.get(3)?,
-                    payload: r.get(4)?,
-                    qos: Qos::from_sql(r.get(5)?),
-                    properties: OutboxProperties::default(),
-                    created_at: r.get(7)?,
-                },
-                r.get::<_, Option<Vec<u8>>>(6)?,
-            ))
-        })?;
+        let rows = stmt.query_map((after_seq, limit as i64), outbox_row)?;
         let mut out = Vec::new();
         for row in rows {
             let (mut row, props) = row?;
@@ -549,6 +557,36 @@ impl Inbox {
             out.push(row);
         }
         Ok(out)
+    }
+
+    /// The seqs of up to `limit` pending rows at or below `upto`, in seq order: where the relay looks for
+    /// rows put back to pending behind its cursor ([`Inbox::requeue_parked_outbox`]). Reads only the
+    /// `outbox_pending` index.
+    pub(crate) fn outbox_pending_upto(&self, upto: i64, limit: usize) -> Result<Vec<i64>> {
+        let mut stmt = self.conn.prepare_cached(
+            "SELECT seq FROM outbox WHERE state = 0 AND seq <= ?1 ORDER BY seq LIMIT ?2",
+        )?;
+        let seqs = stmt
+            .query_map((upto, limit as i64), |r| r.get(0))?
+            .collect::<rusqlite::Result<Vec<i64>>>()?;
+        Ok(seqs)
+    }
+
+    /// The row `seq`, if it is pending.
+    pub(crate) fn outbox_pending_row(&self, seq: i64) -> Result<Option<OutboxRow>> {
+        let row = self
+            .conn
+            .prepare_cached(
+                "SELECT seq, producer, message_id, topic, payload, qos, properties, created_at FROM outbox \
+                 WHERE seq = ?1 AND state = 0",
+            )?
+            .query_row([seq], outbox_row)
+            .optional()?;
+        row.map(|(mut row, props)| {
+            row.properties = OutboxProperties::decode(props.as_deref())?;
+            Ok(row)
+        })
+        .transpose()
     }
 
     /// Marks rows sent, in one transaction. Losing the mark (a crash before it commits) only sends the rows

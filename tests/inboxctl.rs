@@ -810,3 +810,81 @@ fn prune_deletes_old_quarantine_and_conflict_records_by_the_stored_policy() {
         assert_eq!(after[field], before[field], "{field}: only the records go");
     }
 }
+
+/// Permission bits of `path` (the file itself, not a symlink's target).
+fn mode_of(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::symlink_metadata(path)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o7777
+}
+
+#[test]
+fn export_output_file_is_private_replaced_whole_and_never_written_through_a_symlink() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    drop(populate(&path));
+    let exports = dir.path().join("exports");
+    std::fs::create_dir(&exports).unwrap();
+    let export_to = |out: &Path| {
+        ok(
+            &path,
+            &["export", "--table", "messages", "-o", out.to_str().unwrap()],
+        );
+    };
+    let rows = ok(&path, &["export", "--table", "messages"]);
+    assert_eq!(rows.lines().count(), 2, "{rows}");
+
+    // A new file: owner-only, whatever the umask lets through (payloads are as private as the database).
+    let fresh = exports.join("messages.jsonl");
+    export_to(&fresh);
+    assert_eq!(std::fs::read_to_string(&fresh).unwrap(), rows);
+    assert_eq!(mode_of(&fresh), 0o600, "a new export file");
+
+    // An existing, longer, world-readable file: replaced whole, and private from then on.
+    let old = exports.join("old.jsonl");
+    std::fs::write(&old, "x".repeat(10_000)).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o644)).unwrap();
+    export_to(&old);
+    assert_eq!(std::fs::read_to_string(&old).unwrap(), rows);
+    assert_eq!(mode_of(&old), 0o600, "a replaced export file");
+
+    // A symlink planted where the export goes: its target is neither written nor truncated; the link is
+    // replaced by the export file.
+    let target = dir.path().join("precious");
+    std::fs::write(&target, "do not touch\n").unwrap();
+    let link = exports.join("link.jsonl");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    export_to(&link);
+    assert_eq!(std::fs::read_to_string(&target).unwrap(), "do not touch\n");
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_file());
+    assert_eq!(std::fs::read_to_string(&link).unwrap(), rows);
+    assert_eq!(mode_of(&link), 0o600);
+
+    // A failed export (no such table in a file that is no inbox) leaves the old file as it was.
+    let not_inbox = dir.path().join("not-an-inbox.db");
+    std::fs::write(&not_inbox, "").unwrap();
+    let out = inboxctl(
+        &not_inbox,
+        &["export", "--table", "messages", "-o", old.to_str().unwrap()],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(std::fs::read_to_string(&old).unwrap(), rows);
+
+    let mut names: Vec<_> = std::fs::read_dir(&exports)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["link.jsonl", "messages.jsonl", "old.jsonl"],
+        "no temporary file left"
+    );
+}

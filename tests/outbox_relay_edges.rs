@@ -164,6 +164,58 @@ fn a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on() {
     assert_eq!(inbox.requeue_parked_outbox().unwrap(), 1);
 }
 
+fn a_parked_row_requeued_while_the_relay_is_connected_is_sent_on_that_connection() {
+    let broker = Broker::start_with_options("max_packet_size 2048");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let sub = Subscriber::start(broker.port, "edges-sub-requeue", "stock/requeue/#");
+    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
+    commit(
+        &mut inbox,
+        "stock/requeue/x",
+        &[b"small-0".to_vec(), vec![b'x'; 4096], b"small-2".to_vec()],
+    );
+    let relay = relay(&db, broker.port, "edges-relay-requeue");
+    let parked = common::wait_for(Duration::from_secs(30), || {
+        let b = inbox.outbox_backlog().unwrap();
+        (b.parked == 1 && b.pending == 0 && b.sent == 2 && sub.count() >= 2).then_some(())
+    });
+    assert!(
+        parked.is_some(),
+        "{:?} {:?}",
+        inbox.outbox_backlog(),
+        relay.stats()
+    );
+
+    // The operator fixes the cause (here: the body is made to fit) and requeues, while the relay stays
+    // connected.
+    inbox
+        .connection()
+        .execute(
+            "UPDATE outbox SET payload = CAST('small-1' AS BLOB) WHERE state = 2",
+            [],
+        )
+        .unwrap();
+    assert_eq!(inbox.requeue_parked_outbox().unwrap(), 1);
+    let sent = common::wait_for(Duration::from_secs(30), || {
+        let b = inbox.outbox_backlog().unwrap();
+        (b.pending == 0 && b.parked == 0 && b.sent == 3 && sub.count() >= 3).then_some(())
+    });
+    let stats = relay.stop();
+    assert!(sent.is_some(), "{:?} {stats:?}", inbox.outbox_backlog());
+    assert_eq!(stats.connections, 1, "sent without a reconnect: {stats:?}");
+    let payloads: Vec<Vec<u8>> = sub.got().into_iter().map(|g| g.payload).collect();
+    // A requeued row goes out after the rows sent while it was parked.
+    assert_eq!(
+        payloads,
+        [
+            b"small-0".to_vec(),
+            b"small-2".to_vec(),
+            b"small-1".to_vec()
+        ]
+    );
+}
+
 fn main() {
     broker::run_tests(&[
         (
@@ -174,6 +226,11 @@ fn main() {
         (
             "a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on",
             a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on,
+            Needs::Mosquitto,
+        ),
+        (
+            "a_parked_row_requeued_while_the_relay_is_connected_is_sent_on_that_connection",
+            a_parked_row_requeued_while_the_relay_is_connected_is_sent_on_that_connection,
             Needs::Mosquitto,
         ),
     ])

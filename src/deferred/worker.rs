@@ -29,8 +29,11 @@ use crate::store::txn::{begin, commit, release};
 const MAX_ERROR_LEN: usize = 2048;
 
 /// How long a worker leaves the write lock free after a transaction that used its whole
-/// [`WorkerConfig::lock_budget`]. SQLite's busy handler has a waiting writer (a receiving consumer) retry at
-/// least every 100 ms; a shorter gap could fall between two of its retries every time and starve it.
+/// [`WorkerConfig::lock_budget`]. A waiting writer on an inbox connection (a receiving consumer) polls the
+/// lock in sleeps of 25 µs doubling up to 1 ms (the busy handler in `store/schema.rs`), so it needs only
+/// about a millisecond; the gap is longer because a writer on the file through SQLite's own busy timeout
+/// (the `sqlite3` shell, another program) sleeps up to 100 ms between tries, and a gap shorter than that
+/// could fall between two of them every time and starve it.
 const LOCK_YIELD: Duration = Duration::from_millis(120);
 
 /// Settings of a [`Worker`]. Start from [`WorkerConfig::default`] and change what you need.
@@ -415,19 +418,26 @@ impl Worker {
         begin(conn)?;
         let started = Instant::now();
         let deadline = budget.map(|b| started + b);
-        let result = apply_claims(
-            conn,
-            &self.scope,
-            self.scope_id,
-            &self.owner,
-            &self.config,
-            claims,
-            handler,
-            &self.inbox.buf,
-            deadline,
-            out,
-        )
-        .and_then(|n| commit(conn).map(|()| n));
+        // The cached `clock_seen` dates a restored identity (see `stored_day`).
+        let result = self
+            .inbox
+            .retention
+            .refresh(conn)
+            .and_then(|()| {
+                apply_claims(
+                    conn,
+                    &self.scope,
+                    self.scope_id,
+                    &self.owner,
+                    &self.config,
+                    claims,
+                    handler,
+                    &self.inbox.buf,
+                    deadline,
+                    out,
+                )
+            })
+            .and_then(|n| commit(conn).map(|()| n));
         if deadline.is_some_and(|d| Instant::now() >= d) {
             self.lock_free_until = Some(Instant::now() + LOCK_YIELD);
         }
@@ -675,7 +685,7 @@ fn apply_claims<H: Handler>(
             scope_id,
             &c.id_hash.0[..],
             Fingerprint::of(&c.topic, &c.payload).to_sql(),
-            crate::inbox::stored_day(now, c.sent_at.is_some()),
+            crate::inbox::stored_day(conn, now, c.sent_at.is_some()),
         ))?;
 
         let err = match run_handler(conn, &d, scope_id, now, handler, buf, &failure)? {

@@ -17,7 +17,10 @@ use crate::store::outcome::{MessageState, Status};
 use crate::store::schema::SCHEMA_VERSION;
 use crate::store::txn::unix_now_ms;
 
+mod invariants;
 pub(crate) mod stats;
+
+pub use invariants::{check_invariants, Breach, LEASE_BOUND};
 
 const DAY: i64 = 86_400;
 
@@ -267,14 +270,20 @@ fn records_due(conn: &Connection, scope_id: i64, now: i64) -> Result<(u64, u64)>
     Ok((due("quarantine")?, due("conflicts")?))
 }
 
-/// Health of the file: `PRAGMA integrity_check` and the settings found; see [`check`].
+/// Health of the file: `PRAGMA integrity_check`, the inbox's own invariants and the settings found; see
+/// [`check`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct CheckReport {
-    /// True when the integrity check found nothing and the schema version is known.
+    /// True when the integrity check found nothing, the schema version is known and no invariant of the inbox
+    /// is broken: the inbox is sound, not only the file.
     pub ok: bool,
-    /// Problems reported by `integrity_check` (empty when it answered `ok`).
+    /// Problems reported by `integrity_check` (empty when it answered `ok`), and an invariant check that could
+    /// not run.
     pub problems: Vec<String>,
+    /// Breaches of the inbox's own invariants ([`check_invariants`], leases judged with [`LEASE_BOUND`]),
+    /// each named; checked in a file of the current schema version.
+    pub breaches: Vec<Breach>,
     /// `PRAGMA user_version`.
     pub schema_version: i64,
     /// The newest schema version this build knows.
@@ -733,9 +742,18 @@ pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
         Ok(conn.query_row(&format!("PRAGMA {name}"), [], |r| r.get(0))?)
     };
     let schema_version = pragma_i64("user_version")?;
-    let problems = match integrity(conn, max_problems.max(1)) {
+    let mut problems: Vec<String> = match integrity(conn, max_problems.max(1)) {
         Ok(lines) => lines.into_iter().filter(|l| l != "ok").collect(),
         Err(e) => vec![format!("integrity_check failed: {e}")],
+    };
+    let breaches = if schema_version == SCHEMA_VERSION {
+        let found = snapshot(conn, || check_invariants(conn, unix_now_ms(), LEASE_BOUND));
+        found.unwrap_or_else(|e| {
+            problems.push(format!("the invariant checks failed: {e}"));
+            Vec::new()
+        })
+    } else {
+        Vec::new()
     };
     let journal_mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
     let auto_vacuum = match pragma_i64("auto_vacuum")? {
@@ -751,7 +769,9 @@ pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
         3 => "extra",
         _ => "unknown",
     };
-    let ok = problems.is_empty() && (1..=SCHEMA_VERSION).contains(&schema_version);
+    let ok = problems.is_empty()
+        && breaches.is_empty()
+        && (1..=SCHEMA_VERSION).contains(&schema_version);
     let now = crate::store::txn::unix_now();
     let clock_warning =
         crate::retention::clock_verdict(conn, now, crate::retention::Pruning::default().jump())?
@@ -768,6 +788,7 @@ pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
     Ok(CheckReport {
         ok,
         problems,
+        breaches,
         schema_version,
         supported_schema_version: SCHEMA_VERSION,
         journal_mode,

@@ -122,8 +122,10 @@ pub struct RelayStats {
 /// - **Order.** Rows leave in commit (seq) order. After a reconnect the relay starts again from the oldest
 ///   unconfirmed row, so a receiver may see repeats of messages it already has; the first copies arrive in
 ///   order. A publish the broker *refuses* (PUBACK with a failure reason code, e.g. not authorized) is sent
-///   again after a backoff, by which time later messages of the same window may have been delivered: only
-///   that case reorders.
+///   again after a backoff, by which time later messages of the same window may have been delivered; and a
+///   row parked and then requeued ([`Inbox::requeue_parked_outbox`]) goes out after the rows that went on
+///   while it was parked (the relay looks for rows requeued behind it once per
+///   [`RelayConfig::poll_interval`], without reconnecting). Only these two cases reorder.
 /// - **Parked, not stuck.** A row the broker refused [`RelayConfig::max_refusals`] times, or one larger than
 ///   the Maximum Packet Size the broker announced in its CONNACK (it could never be sent), is parked: kept,
 ///   counted in [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding back the rows after it,
@@ -358,11 +360,22 @@ struct Flight {
     confirmed: Vec<i64>,
     /// Highest seq queued on this connection.
     cursor: i64,
+    /// When to look again for pending rows behind the cursor (rows requeued from parked).
+    behind_at: Option<Instant>,
 }
 
 impl Flight {
     fn outstanding(&self) -> usize {
         self.queued.len() + self.unacked.len() + self.confirmed.len()
+    }
+
+    /// The seqs this connection holds, in any stage.
+    fn held(&self) -> std::collections::HashSet<i64> {
+        let queued = self.queued.iter().map(|(s, _)| *s);
+        queued
+            .chain(self.unacked.values().copied())
+            .chain(self.confirmed.iter().copied())
+            .collect()
     }
 }
 
@@ -537,7 +550,13 @@ impl RelayLoop {
         max_packet: Option<u32>,
     ) -> Result<(), Ended> {
         let room = window - flight.outstanding();
-        let rows = match self.inbox.outbox_pending(flight.cursor, room) {
+        let rows = match self.behind(flight, room).and_then(|mut rows| {
+            let more = self
+                .inbox
+                .outbox_pending(flight.cursor, room - rows.len())?;
+            rows.extend(more);
+            Ok(rows)
+        }) {
             Ok(rows) => rows,
             Err(e) => {
                 self.bump(|s| s.storage_errors += 1);
@@ -579,7 +598,7 @@ impl RelayLoop {
                                 "outbox message seq {} is {size} bytes on the wire, over the broker's maximum                                  packet size of {max}: parked for an operator (Inbox::requeue_parked_outbox);                                  the messages after it go on",
                                 row.seq
                             );
-                            flight.cursor = row.seq;
+                            flight.cursor = flight.cursor.max(row.seq);
                             continue;
                         }
                         Err(e) => {
@@ -605,10 +624,43 @@ impl RelayLoop {
                 });
             }
             flight.queued.push_back((row.seq, row.qos));
-            flight.cursor = row.seq;
+            flight.cursor = flight.cursor.max(row.seq);
             self.bump(|s| s.published += 1);
         }
         Ok(())
+    }
+
+    /// Pending rows behind the cursor that this connection does not hold (put back by
+    /// [`Inbox::requeue_parked_outbox`] after the cursor passed them), up to `room`, oldest first. Looked for
+    /// once per poll interval, so a stream of new rows cannot hold them back; a query of the pending index.
+    fn behind(
+        &mut self,
+        flight: &mut Flight,
+        room: usize,
+    ) -> Result<Vec<crate::outbox::OutboxRow>> {
+        let now = Instant::now();
+        if flight.cursor == 0 || flight.behind_at.is_some_and(|at| now < at) {
+            return Ok(Vec::new());
+        }
+        flight.behind_at = Some(now + self.config.poll);
+        // At most `outstanding` of them are this connection's own.
+        let seqs = self
+            .inbox
+            .outbox_pending_upto(flight.cursor, flight.outstanding() + room)?;
+        let held = flight.held();
+        let mut rows = Vec::new();
+        for seq in seqs.into_iter().filter(|s| !held.contains(s)) {
+            if rows.len() == room {
+                break;
+            }
+            if let Some(row) = self.inbox.outbox_pending_row(seq)? {
+                log::info!(
+                    "outbox relay: message seq {seq} is pending again (requeued); sending it"
+                );
+                rows.push(row);
+            }
+        }
+        Ok(rows)
     }
 
     /// Marks confirmed rows sent; on a storage error keeps them for the next try.

@@ -159,8 +159,10 @@ impl RetentionPolicy {
     /// an [`Outcome::SequenceConflict`], quarantined. Deliveries without a producer or sequence, or with a
     /// sequence below `first` (or above `i64::MAX`), use identity rows as usual.
     ///
-    /// Can only be chosen (or changed) while the scope has recorded nothing; to switch an existing consumer,
-    /// start a versioned scope (`name@2`).
+    /// Can only be chosen (or changed) while the scope has recorded nothing (no identity, message, quarantined
+    /// delivery, conflict or counter, and no identity ever pruned); to switch an existing consumer, start a
+    /// versioned scope (`name@2`). A numbered delivery sent before [`Inbox::pruned_before`](crate::Inbox::pruned_before)
+    /// whose sequence is new follows the [`ExpiredPolicy`], as one without a sequence does.
     pub fn sequence_watermarks(mut self, first: u64) -> Self {
         self.first_sequence = Some(first);
         self
@@ -369,6 +371,11 @@ impl Pruning {
         self.max_clock_jump
     }
 
+    /// How far the clock may have moved ahead since the latest accepted pass ([`Pruning::max_clock_jump`]).
+    pub fn get_max_clock_jump(&self) -> Duration {
+        self.max_clock_jump
+    }
+
     /// Accept the clock even if it jumped further ahead than [`Pruning::max_clock_jump`] (an operator confirmed
     /// the time). A time before the database was created is never accepted.
     pub fn trust_clock(mut self, trust: bool) -> Self {
@@ -479,6 +486,7 @@ impl RetentionState {
         let v = conn.data_version()?;
         if self.data_version != Some(v) {
             self.rules = load_rules(conn)?;
+            conn.clock_seen.set(load_clock_seen(conn)?);
             self.data_version = Some(v);
         }
         Ok(())
@@ -493,6 +501,17 @@ impl RetentionState {
     pub(crate) fn rules(&self, scope_id: i64) -> &ScopeRules {
         self.rules.get(&scope_id).unwrap_or(&NO_RULES)
     }
+}
+
+fn load_clock_seen(conn: &Connection) -> Result<i64> {
+    use rusqlite::OptionalExtension;
+    Ok(conn
+        .prepare_cached(
+            "SELECT value FROM inbox_meta WHERE name = 'clock_seen' AND typeof(value) = 'integer'",
+        )?
+        .query_row([], |r| r.get::<_, i64>(0))
+        .optional()?
+        .unwrap_or(0))
 }
 
 fn load_rules(conn: &Connection) -> Result<HashMap<i64, ScopeRules>> {
@@ -533,17 +552,13 @@ pub(crate) fn check_new_identity(
     now: i64,
     rules: &ScopeRules,
 ) -> Result<Option<Outcome>> {
-    let (Some(pruned_before), Some(sent_at)) = (rules.pruned_before, d.sent_at) else {
+    let Some((sent_at, pruned_before)) = before_horizon(d, rules) else {
         return Ok(None);
     };
-    let skew = rules.policy.clock_skew.as_secs() as i64;
-    if sent_at >= pruned_before.saturating_add(skew) {
-        return Ok(None);
-    }
     expired(
         conn,
         d,
-        id_hash,
+        Some(id_hash),
         scope_id,
         now,
         rules.policy.expired,
@@ -552,12 +567,58 @@ pub(crate) fn check_new_identity(
     )
 }
 
+/// `(sent_at, pruned_before)` when `d` was sent before what the scope's horizon pruned (allowing the skew).
+#[inline]
+fn before_horizon(d: &Delivery<'_>, rules: &ScopeRules) -> Option<(i64, i64)> {
+    let (pruned_before, sent_at) = (rules.pruned_before?, d.sent_at?);
+    let skew = rules.policy.clock_skew.as_secs() as i64;
+    (sent_at < pruned_before.saturating_add(skew)).then_some((sent_at, pruned_before))
+}
+
+/// Whether a delivery whose claim is new would meet the expired rule (see [`check_new_sequence`]).
+#[inline]
+pub(crate) fn sent_before_horizon(d: &Delivery<'_>, rules: &ScopeRules) -> bool {
+    before_horizon(d, rules).is_some()
+}
+
+/// [`check_new_identity`] for a delivery that claimed a new watermark sequence (no identity row): the caller
+/// undoes the claim when the outcome is `Some`. A numbered delivery older than what the horizon pruned may
+/// repeat one recorded by an identity row before the scope took watermarks.
+#[cold]
+pub(crate) fn check_new_sequence(
+    conn: &Db,
+    d: &Delivery<'_>,
+    scope_id: i64,
+    now: i64,
+    rules: &ScopeRules,
+) -> Result<Option<Outcome>> {
+    let Some((sent_at, pruned_before)) = before_horizon(d, rules) else {
+        return Ok(None);
+    };
+    expired(
+        conn,
+        d,
+        None,
+        scope_id,
+        now,
+        rules.policy.expired,
+        sent_at,
+        pruned_before,
+    )
+}
+
+/// Whether the scope's policy applies a delivery sent before the pruned horizon anyway.
+#[inline]
+pub(crate) fn processes_expired(rules: &ScopeRules) -> bool {
+    rules.policy.expired == ExpiredPolicy::Process
+}
+
 #[cold]
 #[allow(clippy::too_many_arguments)]
 fn expired(
     conn: &Db,
     d: &Delivery<'_>,
-    id_hash: &IdHash,
+    id_hash: Option<&IdHash>,
     scope_id: i64,
     now: i64,
     policy: ExpiredPolicy,
@@ -577,16 +638,20 @@ fn expired(
         return Ok(None);
     }
     // Undo the claim: the delivery is not applied, so it must not be remembered as processed.
-    conn.prepare_cached("DELETE FROM identities WHERE scope_id = ?1 AND id_hash = ?2")?
-        .execute((scope_id, &id_hash.0[..]))?;
+    if let Some(id_hash) = id_hash {
+        conn.prepare_cached("DELETE FROM identities WHERE scope_id = ?1 AND id_hash = ?2")?
+            .execute((scope_id, &id_hash.0[..]))?;
+    }
     let quarantined = if policy == ExpiredPolicy::Quarantine {
         let reason = format!(
             "message id {:?} (producer {:?}) sent at {sent_at}, before the pruned identity horizon ({pruned_before})",
             d.message_id, d.producer
         );
+        // The record of this identity and content (a numbered delivery has no identity row to undo).
+        let identity = id_hash.copied().unwrap_or_else(|| d.id_hash(&conn.id_key));
         let record = crate::store::records::Quarantine {
             scope_id,
-            identity: Some(id_hash),
+            identity: Some(&identity),
             topic: d.topic,
             payload: d.payload,
             reason: &reason,

@@ -9,7 +9,7 @@ use crate::inbox::Inbox;
 use crate::retention::watermark::Watermark;
 use crate::retention::{
     clock_floor, clock_verdict, load_rules, versioned_scope, Phase, PruneReport, Pruning,
-    RetentionPolicy,
+    RetentionPolicy, RetentionState,
 };
 use crate::store::db::Db;
 use crate::store::error::{Error, Result};
@@ -178,12 +178,17 @@ impl Inbox {
         Ok(())
     }
 
-    fn write_step<T>(&mut self, f: impl FnOnce(&Connection) -> Result<T>) -> Result<T> {
+    /// Runs `f` in one write transaction, with the retention rules as they stand inside it: what the step
+    /// deletes is judged on rules no other connection can change before its commit.
+    fn write_step<T>(
+        &mut self,
+        f: impl FnOnce(&Connection, &RetentionState) -> Result<T>,
+    ) -> Result<T> {
         begin(&self.conn)?;
         let result = self
             .retention
             .refresh(&self.conn)
-            .and_then(|()| f(&self.conn));
+            .and_then(|()| f(&self.conn, &self.retention));
         let result = result.and_then(|v| commit(&self.conn).map(|()| v));
         if result.is_err() && !self.conn.is_autocommit() {
             let _ = self.conn.execute_batch("ROLLBACK");
@@ -194,7 +199,7 @@ impl Inbox {
     fn prune_messages(&mut self, opts: &Pruning, now: i64, report: &mut PruneReport) -> Result<()> {
         let after = self.retention.msg_after;
         let batch = opts.batch as i64;
-        let (upper, pruned) = self.write_step(|conn| {
+        let (upper, pruned) = self.write_step(|conn, _| {
             let upper: Option<i64> = conn
                 .prepare_cached("SELECT max(seq) FROM (SELECT seq FROM messages WHERE seq > ?1 ORDER BY seq LIMIT ?2)")?
                 .query_row((after, batch), |r| r.get(0))?;
@@ -251,49 +256,43 @@ impl Inbox {
         now: i64,
         report: &mut PruneReport,
     ) -> Result<()> {
-        self.retention.refresh(&self.conn)?;
-        // The next scope with a horizon, at or after the cursor.
-        let mut scopes: Vec<(i64, Duration)> = self
-            .retention
-            .rules
-            .iter()
-            .filter_map(|(id, r)| r.policy.identity_horizon.map(|h| (*id, h)))
-            .filter(|(id, _)| *id >= self.retention.id_scope)
-            .collect();
-        scopes.sort_unstable_by_key(|(id, _)| *id);
-        let Some(&(scope_id, horizon)) = scopes.first() else {
-            self.retention.phase = Phase::Records;
-            if opts.as_of.is_none() {
-                // The clock was judged plausible for this pass: later passes measure jumps from here.
-                self.write_step(|conn| {
+        let cursor = self.retention.id_scope;
+        let after = std::mem::take(&mut self.retention.id_after);
+        let batch = opts.batch as i64;
+        let record_clock = opts.as_of.is_none();
+        let today = now.div_euclid(DAY);
+        // The scope and its horizon are read inside the transaction that deletes: a policy another connection
+        // changed a moment earlier is the one applied.
+        let step = self.write_step(|conn, state| {
+            // The next scope with a horizon, at or after the cursor.
+            let next = state
+                .rules
+                .iter()
+                .filter_map(|(id, r)| r.policy.identity_horizon.map(|h| (*id, h)))
+                .filter(|(id, _)| *id >= cursor)
+                .min_by_key(|(id, _)| *id);
+            let Some((scope_id, horizon)) = next else {
+                if record_clock {
+                    // The clock was judged plausible for this pass: later passes measure jumps from here.
                     conn.prepare_cached(
                         "INSERT INTO inbox_meta (name, value) VALUES ('clock_seen', ?1) ON CONFLICT (name) \
                          DO UPDATE SET value = max(coalesce(value, ?1), ?1)",
                     )?
                     .execute([now])?;
-                    Ok(())
-                })?;
-            }
-            return Ok(());
-        };
-        let floor_day = clock_floor(&self.conn)?.div_euclid(DAY);
-        let today = now.div_euclid(DAY);
-        if scope_id != self.retention.id_scope {
-            self.retention.id_scope = scope_id;
-            self.retention.id_after.clear();
-        }
-        // Whole days only, rounded so that every deleted identity is older than the horizon.
-        let cutoff_day = (now - horizon.as_secs() as i64).div_euclid(DAY);
-        let after = std::mem::take(&mut self.retention.id_after);
-        let batch = opts.batch as i64;
-        let (upper, days, restamped) = self.write_step(|conn| {
+                }
+                return Ok(None);
+            };
+            let after: &[u8] = if scope_id == cursor { &after } else { &[] };
+            let floor_day = clock_floor(conn)?.div_euclid(DAY);
+            // Whole days only, rounded so that every deleted identity is older than the horizon.
+            let cutoff_day = (now - horizon.as_secs() as i64).div_euclid(DAY);
             let upper: Option<Vec<u8>> = conn
                 .prepare_cached(
                     "SELECT max(id_hash) FROM (SELECT id_hash FROM identities WHERE scope_id = ?1 AND id_hash > ?2 \
                      ORDER BY id_hash LIMIT ?3)",
                 )?
-                .query_row((scope_id, &after[..], batch), |r| r.get(0))?;
-            let Some(upper) = upper else { return Ok((None, Vec::new(), 0)) };
+                .query_row((scope_id, after, batch), |r| r.get(0))?;
+            let Some(upper) = upper else { return Ok(Some((scope_id, None, Vec::new(), 0))) };
             // A commit day before the database could exist was stamped by a clock that was wrong (a gateway
             // booted at 1970): it says nothing about the identity's age. Give it today instead, so it ages from a
             // time that can be right and is kept at least a full horizon from now; never pruned on the bad day.
@@ -303,7 +302,7 @@ impl Inbox {
                      WHERE scope_id = ?1 AND id_hash > ?2 AND id_hash <= ?3 \
                      AND (CASE WHEN day < 0 THEN -1 - day ELSE day END) < ?4",
                 )?
-                .execute((scope_id, &after[..], &upper[..], floor_day, today))?;
+                .execute((scope_id, after, &upper[..], floor_day, today))?;
             if restamped > 0 {
                 conn.prepare_cached(
                     "UPDATE scope_stats SET identities_restamped = identities_restamped + ?2 WHERE scope_id = ?1",
@@ -321,7 +320,7 @@ impl Inbox {
                        SELECT 1 FROM messages m WHERE m.scope_id = ?1 AND m.id_hash = i.id_hash) \
                      RETURNING day",
                 )?
-                .query_map((scope_id, &after[..], &upper[..], cutoff_day), |r| r.get::<_, i64>(0))?
+                .query_map((scope_id, after, &upper[..], cutoff_day), |r| r.get::<_, i64>(0))?
                 .collect::<rusqlite::Result<Vec<i64>>>()?;
             if let Some(max_day) = days.iter().max() {
                 let bound = (max_day + 1) * DAY;
@@ -340,12 +339,17 @@ impl Inbox {
                     days.len()
                 );
             }
-            Ok((Some(upper), days, restamped as u64))
+            Ok(Some((scope_id, Some(upper), days, restamped as u64)))
         })?;
-        report.identities_restamped += restamped;
-        // This connection wrote pruned_before itself: data_version does not see that.
+        // This connection wrote pruned_before or clock_seen itself: data_version does not see that.
         self.retention.invalidate();
+        let Some((scope_id, upper, days, restamped)) = step else {
+            self.retention.phase = Phase::Records;
+            return Ok(());
+        };
+        report.identities_restamped += restamped;
         report.identities_pruned += days.len() as u64;
+        self.retention.id_scope = scope_id;
         match upper {
             Some(upper) => self.retention.id_after = upper,
             None => self.retention.id_scope = scope_id + 1,
@@ -353,6 +357,20 @@ impl Inbox {
         Ok(())
     }
 }
+
+/// Whether a scope has recorded anything: an identity pruned long ago still left `pruned_before` and its
+/// counters behind, and a repetition of it must keep meeting the expired rule, not a fresh watermark.
+const SCOPE_USED: &str = "SELECT EXISTS (SELECT 1 FROM identities WHERE scope_id = ?1) \
+     OR EXISTS (SELECT 1 FROM watermarks WHERE scope_id = ?1) \
+     OR EXISTS (SELECT 1 FROM watermark_exceptions WHERE scope_id = ?1) \
+     OR EXISTS (SELECT 1 FROM watermark_recent WHERE scope_id = ?1) \
+     OR EXISTS (SELECT 1 FROM messages WHERE scope_id = ?1) \
+     OR EXISTS (SELECT 1 FROM quarantine WHERE scope_id = ?1) \
+     OR EXISTS (SELECT 1 FROM conflicts WHERE scope_id = ?1) \
+     OR EXISTS (SELECT 1 FROM retention WHERE scope_id = ?1 AND pruned_before IS NOT NULL) \
+     OR EXISTS (SELECT 1 FROM scope_stats WHERE scope_id = ?1 AND (processed, duplicates, conflicts, \
+        handler_failures, quarantined, dead_lettered, identities_pruned, payloads_pruned, expired, \
+        sequence_conflicts, identities_restamped, identity_offset) != (0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))";
 
 fn store_policy(
     conn: &Connection,
@@ -367,11 +385,7 @@ fn store_policy(
     let stored = stored.and_then(|(on, first)| (on == 1).then_some(first as u64));
     if stored != policy.first_sequence {
         let used: bool = conn
-            .prepare_cached(
-                "SELECT EXISTS (SELECT 1 FROM identities WHERE scope_id = ?1) \
-                 OR EXISTS (SELECT 1 FROM watermarks WHERE scope_id = ?1) \
-                 OR EXISTS (SELECT 1 FROM watermark_exceptions WHERE scope_id = ?1)",
-            )?
+            .prepare_cached(SCOPE_USED)?
             .query_row([scope_id], |r| r.get(0))?;
         if used {
             return Err(Error::InvalidArgument(format!(

@@ -62,6 +62,9 @@ pub(crate) struct Db {
     guard: Arc<HandlerGuard>,
     /// The database's identity key (read when the inbox opens; it never changes).
     pub(crate) id_key: crate::store::identity::IdKey,
+    /// The latest clock reading retention accepted (`clock_seen`, Unix seconds; 0 when none), as of the
+    /// last retention refresh: new identities are never dated before it.
+    pub(crate) clock_seen: Cell<i64>,
 }
 
 /// What the connection's commit and rollback hooks know about a running handler.
@@ -151,6 +154,7 @@ impl Db {
                 slow_commit: None,
                 guard,
                 id_key: crate::store::identity::IdKey::UNKEYED,
+                clock_seen: Cell::new(0),
             }),
             Err(e) => {
                 // SAFETY: no statement borrows the connection any more (`prepare` failed and dropped them).

@@ -221,13 +221,15 @@ impl fmt::Display for Error {
 }
 
 impl std::error::Error for Error {
+    /// The cause, for the variants whose message does not already say it. [`Error::Open`],
+    /// [`Error::Storage`] and [`Error::InvalidDelivery`] put their cause in the message (what a log line
+    /// shows with `{}`) and therefore return none here: a report that walks the chain (`anyhow`'s `{:#}`
+    /// and `{:?}`) would print it twice. Their `source` field still holds it.
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::CommitUnknown { source, .. }
-            | Error::CommitRefused { source, .. }
-            | Error::Storage { source, .. } => Some(source),
-            Error::Open { source, .. } => Some(source),
-            Error::InvalidDelivery(why) => Some(why),
+            Error::CommitUnknown { source, .. } | Error::CommitRefused { source, .. } => {
+                Some(source)
+            }
             _ => None,
         }
     }

@@ -9,6 +9,23 @@ use crate::store::error::InvalidDelivery;
 ///
 /// The identity is *(scope, producer, message id)*. It comes from the application (an MQTT 5 user property,
 /// an envelope, a field of the payload), never from the MQTT packet id, which the broker reuses.
+///
+/// Built field by field, each named ([`Delivery::in_scope`] and the `with_*` methods), or in one call with
+/// [`Delivery::new`]`(scope, message_id, topic, payload)`:
+///
+/// ```
+/// use edge_inbox::Delivery;
+/// let payload = br#"{"order":42,"sku":"A-1","qty":1,"kind":"created"}"#;
+/// let delivery = Delivery::in_scope("inventory-reservation")
+///     .with_message_id("evt-42-created")
+///     .with_topic("orders/42")
+///     .with_payload(payload)
+///     .with_producer("shop-1");
+/// assert_eq!(
+///     delivery,
+///     Delivery::new("inventory-reservation", "evt-42-created", "orders/42", payload).with_producer("shop-1")
+/// );
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Delivery<'a> {
@@ -31,7 +48,8 @@ pub struct Delivery<'a> {
 }
 
 impl<'a> Delivery<'a> {
-    /// A delivery without a producer namespace.
+    /// A delivery without a producer namespace. The same as [`Delivery::in_scope`]`(scope)` with the message
+    /// id, topic and payload given by name.
     pub fn new(scope: &'a str, message_id: &'a str, topic: &'a str, payload: &'a [u8]) -> Self {
         Delivery {
             scope,
@@ -42,6 +60,31 @@ impl<'a> Delivery<'a> {
             sequence: None,
             sent_at: None,
         }
+    }
+
+    /// A delivery in `scope` with everything else still empty: give it at least a message id
+    /// ([`Delivery::with_message_id`]), or the inbox refuses it ([`InvalidDelivery::EmptyMessageId`],
+    /// nothing written), and its topic and payload, which its fingerprint covers.
+    pub fn in_scope(scope: &'a str) -> Self {
+        Delivery::new(scope, "", "", b"")
+    }
+
+    /// The same delivery with the application message id.
+    pub fn with_message_id(mut self, message_id: &'a str) -> Self {
+        self.message_id = message_id;
+        self
+    }
+
+    /// The same delivery with the topic it arrived on.
+    pub fn with_topic(mut self, topic: &'a str) -> Self {
+        self.topic = topic;
+        self
+    }
+
+    /// The same delivery with its payload.
+    pub fn with_payload(mut self, payload: &'a [u8]) -> Self {
+        self.payload = payload;
+        self
     }
 
     /// The same delivery with a producer namespace.

@@ -247,10 +247,15 @@ fn classify_open(err: rusqlite::Error, path: &Path) -> Error {
         Some(ffi::SQLITE_NOTADB) => Error::NotADatabase {
             path: path.to_owned(),
         },
-        Some(ffi::SQLITE_CANTOPEN) => Error::Open {
-            path: path.to_owned(),
-            source: std::io::Error::other(err.to_string()),
-        },
+        Some(ffi::SQLITE_CANTOPEN) => {
+            // rusqlite ends the message with the path, which `Error::Open` prints already.
+            let text = err.to_string();
+            let suffix = format!(": {}", path.display());
+            Error::Open {
+                path: path.to_owned(),
+                source: std::io::Error::other(text.strip_suffix(&suffix).unwrap_or(&text)),
+            }
+        }
         _ => Error::from(err),
     }
 }

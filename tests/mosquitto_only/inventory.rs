@@ -19,6 +19,9 @@ pub fn tls_and_a_password_from_a_file_or_the_environment_connect_and_the_passwor
     let db = dir.path().join("inv.db");
     let pw_file = dir.path().join("password");
     std::fs::write(&pw_file, format!("{PASSWORD}\n")).unwrap();
+    // Private, or the example refuses it.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&pw_file, std::fs::Permissions::from_mode(0o600)).unwrap();
     let pw_file = pw_file.to_str().unwrap();
     let addr = broker.addr();
     let tls = ["--tls-ca", ca, "--username", "gateway"];

@@ -14,11 +14,11 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use edge_inbox::inspect::{self, ExportRow, FileSizes, Table};
 use edge_inbox::rusqlite::Connection;
-use edge_inbox::{open_read_only, Config, Error, Inbox, Pruning};
+use edge_inbox::{open_read_only, ClockVerdict, Config, Error, Inbox, Pruning};
 use serde::Serialize;
 
 /// Inspect and operate an edge-inbox database (see `inboxctl <command> --help`).
@@ -78,11 +78,13 @@ enum Command {
         /// Actually prune (short write transactions; consumers on the file keep running).
         #[arg(long)]
         apply: bool,
-        /// Judge ages as of this Unix time (seconds) instead of now.
+        /// Judge ages as of this Unix time (seconds) instead of now. A stated time overrides the rule that
+        /// refuses to prune after a clock jump of more than 30 days (never the database's creation time).
         #[arg(long)]
         as_of: Option<i64>,
     },
-    /// PRAGMA integrity_check, schema version and file settings. Exit code 1 when a problem is found.
+    /// PRAGMA integrity_check, the inbox's own invariants (each breach by name), schema version and file
+    /// settings. Exit code 1 when a problem or a breach is found.
     Check {
         /// Report at most this many problems.
         #[arg(long, default_value_t = 100)]
@@ -96,7 +98,8 @@ enum Command {
         /// Output format.
         #[arg(long, value_enum, default_value_t = Format::Jsonl)]
         format: Format,
-        /// Output file (default: standard output).
+        /// Output file (default: standard output), created 0600 and replaced atomically; a symlink at the
+        /// path is replaced, never written through.
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
@@ -373,7 +376,9 @@ fn stats(
         StatsFormat::Prometheus => prometheus::render(&doc.path, &doc.files, &doc.scopes),
     };
     match output {
-        Some(file) => output::write_atomically(file, text.as_bytes())?,
+        Some(file) => {
+            output::replace_atomically(file, output::SHARED, |w| Ok(w.write_all(text.as_bytes())?))?
+        }
         None => std::io::stdout().lock().write_all(text.as_bytes())?,
     }
     Ok(ExitCode::SUCCESS)
@@ -558,6 +563,13 @@ struct PruneDoc {
     due: Vec<inspect::PrunePreview>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pruned: Option<Pruned>,
+    /// Why retention does not trust the time (`None` when it does); with `--as-of`, what the stated time
+    /// overrode.
+    clock_warning: Option<String>,
+    /// Retention refused to prune: the clock cannot be right (nothing was deleted).
+    clock_refused: bool,
+    /// The time stated with `--as-of` is one the clock-jump rule refuses; it was used anyway.
+    clock_overridden: bool,
 }
 
 #[derive(Serialize)]
@@ -577,16 +589,28 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs() as i64)
     });
-    let due = inspect::prune_preview(&read_only(path)?, now)?;
+    let ro = read_only(path)?;
+    let due = inspect::prune_preview(&ro, now)?;
+    let jump = Pruning::default().get_max_clock_jump();
+    let verdict = edge_inbox::clock_verdict(&ro, now, jump)?;
+    drop(ro);
+    // Only a time the operator states may override the jump rule; the clock's own reading is judged by it.
+    let overridden = as_of.is_some() && matches!(verdict, ClockVerdict::TooFarAhead { .. });
     let mut doc = PruneDoc {
         applied: apply,
         as_of: now,
         due,
         pruned: None,
+        clock_warning: verdict.warning(now),
+        clock_refused: !apply && !verdict.is_plausible() && !overridden,
+        clock_overridden: overridden,
     };
     if apply {
         let mut inbox = writable(path)?;
-        let opts = Pruning::default().as_of(now);
+        let opts = match as_of {
+            Some(t) => Pruning::default().as_of(t),
+            None => Pruning::default(),
+        };
         let progress = output::progress("pruning", None);
         let mut total = Pruned {
             payloads: 0,
@@ -609,6 +633,7 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
                 other => other?,
             };
             busy = 0;
+            doc.clock_refused |= step.clock_refused;
             total.payloads += step.payloads_pruned;
             total.dead_letters += step.dead_letters_pruned;
             total.identities += step.identities_pruned;
@@ -624,9 +649,23 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
         progress.finish_and_clear();
         doc.pruned = Some(total);
     }
+    // Asked to prune and refused: an operational error, not a success with nothing to do.
+    let code = if apply && doc.clock_refused {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    };
     if cli.json {
         print_json(&doc)?;
-        return Ok(ExitCode::SUCCESS);
+        return Ok(code);
+    }
+    if doc.clock_overridden {
+        println!(
+            "--as-of overrides the clock-jump rule: {}",
+            doc.clock_warning.as_deref().unwrap_or_default()
+        );
+    } else if let Some(w) = &doc.clock_warning {
+        println!("clock WARNING: {w}");
     }
     for d in &doc.due {
         println!(
@@ -643,6 +682,10 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
         println!("no scope has a retention policy: nothing is ever pruned");
     }
     match &doc.pruned {
+        Some(_) if doc.clock_refused => eprintln!(
+            "retention refused to prune: the clock cannot be right; nothing deleted (state the time with \
+             --as-of if it is)"
+        ),
         Some(p) => println!(
             "pruned {} payloads, {} dead letters, {} identities, {} quarantine and {} conflict records; {} pages \
              reclaimed in {} steps",
@@ -654,12 +697,16 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
             p.pages_reclaimed,
             p.steps
         ),
+        None if doc.clock_refused => println!(
+            "dry run as of {}: nothing deleted; --apply would be refused (the clock cannot be right)",
+            times::rfc3339(doc.as_of)
+        ),
         None => println!(
             "dry run as of {}: nothing deleted (use --apply to prune)",
             times::rfc3339(doc.as_of)
         ),
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(code)
 }
 
 #[derive(Serialize)]
@@ -689,6 +736,25 @@ fn check(cli: &Cli, path: &Path, max_problems: usize) -> anyhow::Result<ExitCode
         );
         for p in &r.problems {
             println!("  {p}");
+        }
+        println!(
+            "invariants: {}",
+            if r.breaches.is_empty() {
+                "ok"
+            } else {
+                "BREACHED"
+            }
+        );
+        for b in &r.breaches {
+            println!(
+                "  {} in {}: {} row(s), e.g. {}",
+                b.name,
+                b.scope
+                    .as_deref()
+                    .map_or("no existing scope".to_owned(), |s| format!("scope {s:?}")),
+                b.count,
+                b.example
+            );
         }
         println!(
             "schema version {} (this build supports {}); journal_mode {}; auto_vacuum {}; synchronous {} \
@@ -726,27 +792,33 @@ fn export(
         ExportTable::Conflicts => Table::Conflicts,
         ExportTable::Quarantine => Table::Quarantine,
     };
-    let mut out: Box<dyn Write> = match output {
-        Some(p) => Box::new(std::io::BufWriter::new(
-            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
-        None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
-    };
     let progress = output::progress("exporting", Some(inspect::count(&conn, table)?));
-    let mut done = 0;
-    let n = inspect::export(&conn, table, |row: ExportRow| -> anyhow::Result<()> {
-        match format {
-            Format::Jsonl => {
-                serde_json::to_writer(&mut out, &row)?;
-                out.write_all(b"\n")?;
+    let rows = |out: &mut dyn Write| -> anyhow::Result<u64> {
+        let mut done = 0;
+        let n = inspect::export(&conn, table, |row: ExportRow| -> anyhow::Result<()> {
+            match format {
+                Format::Jsonl => {
+                    serde_json::to_writer(&mut *out, &row)?;
+                    out.write_all(b"\n")?;
+                }
+                Format::Cbor => ciborium::into_writer(&row, &mut *out)?,
             }
-            Format::Cbor => ciborium::into_writer(&row, &mut out)?,
+            done += 1;
+            progress.set_position(done);
+            Ok(())
+        })?;
+        Ok(n)
+    };
+    let n = match output {
+        // Payloads: as private as the database, and never written through a link planted at the path.
+        Some(p) => output::replace_atomically(p, output::PRIVATE, rows)?,
+        None => {
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            let n = rows(&mut out)?;
+            out.flush()?;
+            n
         }
-        done += 1;
-        progress.set_position(done);
-        Ok(())
-    })?;
-    out.flush()?;
+    };
     progress.finish_and_clear();
     if output.is_some() {
         eprintln!("exported {n} row(s)");
