@@ -20,24 +20,23 @@ impl Inbox {
         now: i64,
         report: &mut PruneReport,
     ) -> Result<()> {
-        self.retention.refresh(&self.conn)?;
-        let mut scopes: Vec<(i64, Duration)> = self
-            .retention
-            .rules
-            .iter()
-            .filter_map(|(id, r)| r.policy.records.map(|age| (*id, age)))
-            .filter(|(id, _)| *id >= self.retention.rec_scope)
-            .collect();
-        scopes.sort_unstable_by_key(|(id, _)| *id);
-        let Some(&(scope_id, age)) = scopes.first() else {
-            self.retention.phase = Phase::Vacuum;
-            self.retention.rec_scope = 0;
-            return Ok(());
-        };
-        let cutoff = now.saturating_sub(age.as_secs().min(i64::MAX as u64) as i64);
+        let cursor = self.retention.rec_scope;
         let batch = opts.batch as i64;
         begin(&self.conn)?;
-        let result = (|| -> rusqlite::Result<(usize, usize)> {
+        // The scope and its age are read inside the transaction that deletes: a policy another connection
+        // changed a moment earlier is the one applied.
+        let result = self.retention.refresh(&self.conn).and_then(|()| {
+            let next: Option<(i64, Duration)> = self
+                .retention
+                .rules
+                .iter()
+                .filter_map(|(id, r)| r.policy.records.map(|age| (*id, age)))
+                .filter(|(id, _)| *id >= cursor)
+                .min_by_key(|(id, _)| *id);
+            let Some((scope_id, age)) = next else {
+                return Ok(None);
+            };
+            let cutoff = now.saturating_sub(age.as_secs().min(i64::MAX as u64) as i64);
             // Through the (scope_id, last_at) indexes: only rows that are due are visited.
             let quarantine = self
                 .conn
@@ -53,19 +52,16 @@ impl Inbox {
                      AND last_at <= ?2 LIMIT ?3)",
                 )?
                 .execute((scope_id, cutoff, batch))?;
-            Ok((quarantine, conflicts))
-        })();
-        let (quarantine, conflicts) = match result {
-            Ok(n) => {
-                commit(&self.conn)?;
-                n
-            }
-            Err(e) => {
-                if !self.conn.is_autocommit() {
-                    let _ = self.conn.execute_batch("ROLLBACK");
-                }
-                return Err(e.into());
-            }
+            Ok(Some((scope_id, cutoff, quarantine, conflicts)))
+        });
+        let result = result.and_then(|v| commit(&self.conn).map(|()| v));
+        if result.is_err() && !self.conn.is_autocommit() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+        let Some((scope_id, cutoff, quarantine, conflicts)) = result? else {
+            self.retention.phase = Phase::Vacuum;
+            self.retention.rec_scope = 0;
+            return Ok(());
         };
         report.quarantine_pruned += quarantine as u64;
         report.conflicts_pruned += conflicts as u64;
