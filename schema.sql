@@ -1,4 +1,4 @@
--- edge-inbox schema, version 3.
+-- edge-inbox schema, version 4.
 --
 -- This file is the single source of the schema: `src/schema.rs` runs it on a new database and then sets
 -- `PRAGMA user_version`. A later version adds a forward migration there and bumps the version; this file
@@ -40,7 +40,10 @@ CREATE TABLE identities (
     PRIMARY KEY (scope_id, id_hash)
 ) WITHOUT ROWID;
 
--- Same identity, different content: recorded, never applied.
+-- Same identity, different content: recorded, never applied. One row per distinct (scope, identity, received
+-- content): a redelivery of the same conflicting delivery adds an arrival (arrivals, last_at) instead of a row;
+-- the UNIQUE index arbitrates that inside the write transaction. at is the first arrival. Retention deletes rows
+-- whose last arrival is older than the scope's record_age (see retention).
 CREATE TABLE conflicts (
     id                   INTEGER PRIMARY KEY,
     scope_id             INTEGER NOT NULL,
@@ -50,9 +53,12 @@ CREATE TABLE conflicts (
     topic                TEXT    NOT NULL,
     stored_fingerprint   INTEGER NOT NULL,
     received_fingerprint INTEGER NOT NULL,
-    at                   INTEGER NOT NULL
+    at                   INTEGER NOT NULL,
+    last_at              INTEGER NOT NULL,
+    arrivals             INTEGER NOT NULL DEFAULT 1
 );
-CREATE INDEX conflicts_by_identity ON conflicts (scope_id, id_hash);
+CREATE UNIQUE INDEX conflicts_by_content ON conflicts (scope_id, id_hash, received_fingerprint);
+CREATE INDEX conflicts_by_age ON conflicts (scope_id, last_at);
 
 -- Durable counters per scope, updated in the same transaction as the outcomes they count.
 -- One count is derived instead: a delivery the strong case processes by inserting a new identity row writes
@@ -79,7 +85,12 @@ CREATE TABLE scope_stats (
     -- retention stamped with the day it first saw a plausible clock instead.
     identities_restamped INTEGER NOT NULL DEFAULT 0,
     -- Identity rows that do not stand for a delivery processed by the strong case (see above).
-    identity_offset INTEGER NOT NULL DEFAULT 0
+    identity_offset INTEGER NOT NULL DEFAULT 0,
+    -- conflicts and quarantined count arrivals (every delivery so recorded, redeliveries included);
+    -- conflict_records and quarantine_records count the distinct records made (a new row in conflicts or
+    -- quarantine). Pruning a record changes neither: they are history, like the other counters.
+    conflict_records   INTEGER NOT NULL DEFAULT 0,
+    quarantine_records INTEGER NOT NULL DEFAULT 0
 );
 
 -- Built-in key-value state for handlers. Values are CBOR. ns is the scope name unless the caller picks one.
@@ -90,15 +101,30 @@ CREATE TABLE kv (
     PRIMARY KEY (ns, key)
 ) WITHOUT ROWID;
 
--- Deliveries that could not become a Delivery (no id, malformed envelope, over a limit): kept, not dropped.
+-- Deliveries that could not become a Delivery (no id, malformed envelope, over a limit), and numbered or expired
+-- deliveries that cannot be applied: kept for an operator, not dropped. A bounded record, whatever the payload's
+-- size: its first bytes (QUARANTINE_PREFIX, 256), its full length and its xxh3-128 (16 bytes, big-endian), and
+-- the topic cut to the configured topic limit.
+-- record_key is xxh3-128, under the file's id_key, of what makes the record distinct: (topic, payload) for a
+-- delivery without an identity, (identity, topic, payload) for one with. A redelivery of the same delivery adds an
+-- arrival (arrivals, last_at) to its record instead of a row; the UNIQUE index arbitrates that inside the write
+-- transaction. The first reason and time (at) are kept. NULL for rows migrated from version 3 (never merged).
+-- Retention deletes rows whose last arrival is older than the scope's record_age (see retention).
 CREATE TABLE quarantine (
-    id       INTEGER PRIMARY KEY,
-    scope_id INTEGER,
-    topic    TEXT    NOT NULL,
-    payload  BLOB    NOT NULL,
-    reason   TEXT    NOT NULL,
-    at       INTEGER NOT NULL
+    id           INTEGER PRIMARY KEY,
+    scope_id     INTEGER,
+    record_key   BLOB,
+    topic        TEXT    NOT NULL,
+    payload      BLOB    NOT NULL,
+    payload_len  INTEGER NOT NULL,
+    payload_hash BLOB    NOT NULL,
+    reason       TEXT    NOT NULL,
+    at           INTEGER NOT NULL,
+    last_at      INTEGER NOT NULL,
+    arrivals     INTEGER NOT NULL DEFAULT 1
 );
+CREATE UNIQUE INDEX quarantine_by_key ON quarantine (scope_id, record_key);
+CREATE INDEX quarantine_by_age ON quarantine (scope_id, last_at);
 
 -- Message bodies: pending work of the received-then-deferred mode, and optionally the payloads of processed
 -- deliveries. state: 0 pending, 1 processed, 2 failed (waiting for a retry), 3 dead-lettered.
@@ -186,9 +212,12 @@ CREATE TABLE watermark_exceptions (
     sequence INTEGER NOT NULL,
     PRIMARY KEY (scope_id, producer, sequence)
 ) WITHOUT ROWID;
--- The identity of the most recent claimed sequences of each producer (a bounded window, see src/watermark.rs):
--- a sequence that comes again is compared with the message that claimed it, so a producer whose counter
--- restarted is detected instead of being taken for a duplicate.
+-- The identity of the most recent claimed sequences of each producer (a bounded window, see
+-- src/retention/watermark.rs): a sequence that comes again is compared with the message that claimed it, so a
+-- producer whose counter restarted is detected instead of being taken for a duplicate; and a message id that
+-- comes again under another sequence is found by the UNIQUE index on (scope, id_hash) (id_hash covers the
+-- producer; without its name the index stays small), which also arbitrates that one id claims at most one row
+-- (a repeat under a new sequence claims that sequence in the watermark, without a row of its own).
 CREATE TABLE watermark_recent (
     scope_id    INTEGER NOT NULL,
     producer    TEXT    NOT NULL,
@@ -197,12 +226,14 @@ CREATE TABLE watermark_recent (
     fingerprint INTEGER NOT NULL,
     PRIMARY KEY (scope_id, producer, sequence)
 ) WITHOUT ROWID;
+CREATE UNIQUE INDEX watermark_recent_by_id ON watermark_recent (scope_id, id_hash);
 
 -- Retention policy and bookkeeping per scope. Durable, so every connection and process sharing the file applies
 -- the same rules. Ages are seconds; NULL keeps forever. watermarks is fixed before the scope's first delivery.
 -- expired: what to do with a delivery sent before pruned_before whose identity is not found
 -- (0 process, 1 reject, 2 quarantine). pruned_before: every identity pruned so far was committed before this
--- time (Unix seconds); NULL while no identity of the scope was ever pruned.
+-- time (Unix seconds); NULL while no identity of the scope was ever pruned. record_age: quarantine and conflict
+-- rows whose last arrival is older than this are deleted (NULL keeps them).
 CREATE TABLE retention (
     scope_id              INTEGER PRIMARY KEY,
     processed_payload_age INTEGER,
@@ -212,5 +243,6 @@ CREATE TABLE retention (
     clock_skew            INTEGER NOT NULL DEFAULT 0,
     watermarks            INTEGER NOT NULL DEFAULT 0 CHECK (watermarks IN (0, 1)),
     first_sequence        INTEGER NOT NULL DEFAULT 1,
-    pruned_before         INTEGER
+    pruned_before         INTEGER,
+    record_age            INTEGER
 );

@@ -9,9 +9,10 @@ use rusqlite::{Connection, OptionalExtension};
 use crate::retention::{self, RetentionState, ScopeRules};
 use crate::store::config::{Config, OutboxSettings};
 use crate::store::db::Db;
-use crate::store::error::{extended_code, storage_error, Error, Result};
+use crate::store::error::{storage_error, Error, Result};
 use crate::store::identity::{Delivery, Fingerprint, IdHash};
 use crate::store::outcome::{MessageState, Outcome, Status};
+use crate::store::records::{self, Quarantine};
 use crate::store::schema;
 use crate::store::state::{is_storage_failure, Tx};
 use crate::store::txn::{begin, commit, release, unix_now};
@@ -19,8 +20,10 @@ use crate::store::txn::{begin, commit, release, unix_now};
 /// A handler: applies one delivery's effect inside the open transaction.
 ///
 /// Return `Err` to refuse the delivery: its effect and identity are rolled back together
-/// ([`Outcome::HandlerFailed`]). Errors that come from storage trouble (a full disk, a busy or read-only
-/// database) are recognised and fail the whole call as an [`Error`] instead.
+/// ([`Outcome::HandlerFailed`]). Storage trouble of the inbox's own database (a full disk, a busy or read-only
+/// file), met through [`Tx`] or on the connection [`Tx::sql`] hands out, is recognised and fails the whole call
+/// as an [`Error`] instead. An error of any other database the handler opens itself (a lookup file that cannot
+/// be opened, say) is the handler's failure like any other error.
 pub trait Handler: FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()> {}
 impl<F: FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()>> Handler for F {}
 
@@ -184,9 +187,14 @@ impl Inbox {
     }
 
     /// Records a delivery that could not be turned into a [`Delivery`] (no id, malformed envelope, over a
-    /// limit) in the `quarantine` table, with its topic, payload and reason, and counts it for `scope`.
-    /// Once this returns `Ok` the delivery may be acked: it is kept for an operator, not lost.
-    /// Returns the quarantine row id.
+    /// limit) in the `quarantine` table, with its topic, reason and a bounded record of its payload (the first
+    /// [`QUARANTINE_PREFIX`](crate::QUARANTINE_PREFIX) bytes, the full length and an xxh3-128 hash, never the
+    /// whole payload), and counts it for `scope`. Once this returns `Ok` the delivery may be acked: it is kept for
+    /// an operator, not lost.
+    ///
+    /// The same delivery arriving again (same scope, topic and payload: a redelivery after a lost PUBACK) adds an
+    /// arrival to its record instead of a new one: `quarantined` counts arrivals, `quarantine_records` records
+    /// ([`ScopeStats`](crate::ScopeStats)). Returns the record's row id (the same for every arrival).
     pub fn quarantine(
         &mut self,
         scope: &str,
@@ -197,11 +205,19 @@ impl Inbox {
         let scope_id = self.scope_id(scope)?;
         let now = unix_now();
         begin(&self.conn)?;
-        let result = insert_quarantine(&self.conn, scope_id, topic, payload, reason, now);
+        let record = Quarantine {
+            scope_id,
+            identity: None,
+            topic,
+            payload,
+            reason,
+            max_topic: self.config.limits.max_topic_len,
+        };
+        let result = records::quarantine(&self.conn, &self.conn.id_key, &record, now);
         match result {
-            Ok(id) => {
+            Ok((id, new)) => {
                 commit(&self.conn)?;
-                log::warn!("quarantined a delivery on topic {topic:?} for scope {scope}: {reason}");
+                log_quarantine(topic, scope, reason, new);
                 Ok(id)
             }
             Err(e) => {
@@ -214,7 +230,8 @@ impl Inbox {
     }
 
     /// Quarantines a delivery whose identity is known but which cannot be applied (over a
-    /// [`Limits`](crate::Limits), for example), like [`Inbox::quarantine`]; in a scope with sequence watermarks a
+    /// [`Limits`](crate::Limits), for example), like [`Inbox::quarantine`] (one bounded record per distinct
+    /// identity and content, redeliveries counted as arrivals); in a scope with sequence watermarks a
     /// numbered delivery also claims its sequence in the same transaction, so one bad message leaves no gap
     /// that would turn every later sequence into a watermark exception.
     ///
@@ -226,7 +243,7 @@ impl Inbox {
         let scope_id = self.scope_id(d.scope)?;
         let now = unix_now();
         begin(&self.conn)?;
-        let result = (|| -> Result<Option<i64>> {
+        let result = (|| -> Result<Option<(i64, bool)>> {
             self.retention.refresh(&self.conn)?;
             let rules = self.retention.rules(scope_id);
             match claim_sequence(&self.conn, d, scope_id, rules, now)? {
@@ -239,24 +256,29 @@ impl Inbox {
                     return Ok(None);
                 }
                 Some(Some(Outcome::SequenceConflict { quarantined, .. })) => {
-                    return Ok(Some(quarantined));
+                    return Ok(Some((quarantined, false)));
                 }
                 _ => {}
             }
-            let id = insert_quarantine(&self.conn, scope_id, d.topic, d.payload, reason, now)?;
-            Ok(Some(id))
+            let id_hash = d.id_hash(&self.conn.id_key);
+            let record = Quarantine {
+                scope_id,
+                identity: Some(&id_hash),
+                topic: d.topic,
+                payload: d.payload,
+                reason,
+                max_topic: self.config.limits.max_topic_len,
+            };
+            let (id, new) = records::quarantine(&self.conn, &self.conn.id_key, &record, now)?;
+            Ok(Some((id, new)))
         })();
         match result {
             Ok(id) => {
                 commit(&self.conn)?;
-                if id.is_some() {
-                    log::warn!(
-                        "quarantined a delivery on topic {:?} for scope {}: {reason}",
-                        d.topic,
-                        d.scope
-                    );
+                if let Some((_, new)) = id {
+                    log_quarantine(d.topic, d.scope, reason, new);
                 }
-                Ok(id)
+                Ok(id.map(|(id, _)| id))
             }
             Err(e) => {
                 if !self.conn.is_autocommit() {
@@ -467,11 +489,13 @@ fn apply_one<H: Handler>(
     }
 }
 
-/// Runs `handler` on `d` inside the open savepoint and sorts what it returned. Storage trouble fails the
-/// whole transaction (`Err`), whether the handler met it through the inbox's own API (even if it swallowed
-/// the error), returned it in its error chain, or SQLite or the handler ended the transaction; checked in
-/// that order, since a full disk makes SQLite roll back by itself. Otherwise `Ok` carries the handler's own
-/// verdict.
+/// Runs `handler` on `d` inside the open savepoint and sorts what it returned. Storage trouble of the inbox's own
+/// connection fails the whole transaction (`Err`): met through the inbox's API (even if the handler swallowed
+/// the error), returned by the handler after it met it on the connection through [`Tx::sql`] (see
+/// [`own_storage_failure`]), SQLite or the handler ended the transaction, or met on the connection and not
+/// returned; checked in that order, since a full disk makes SQLite roll back by itself. Otherwise
+/// `Ok` carries the handler's own verdict: any error it returned, a storage error of some other database it
+/// opened itself included, is a handler failure (attempts, then a dead letter), never the inbox's trouble.
 pub(crate) fn run_handler<H: Handler>(
     conn: &Db,
     d: &Delivery<'_>,
@@ -500,13 +524,34 @@ pub(crate) fn run_handler<H: Handler>(
     if let Some(code) = failure.get() {
         return Err(storage_error(code));
     }
-    if let Some(e) = result.as_ref().err().and_then(storage_cause) {
-        return Err(e);
+    let own = own_storage_failure(conn);
+    // The handler returned the inbox connection's own failure (wrapped or not): that error, as before a
+    // rollback it may have caused is reported, so a full disk stays `DiskFull` (retryable).
+    if let (Some(own), Err(e)) = (own, &result) {
+        if let Some(code) = storage_code_in(e).filter(|c| c & 0xff == own & 0xff) {
+            return Err(storage_error(code));
+        }
     }
     if conn.handler_tx_ended() {
         return Err(Error::HandlerEndedTransaction);
     }
+    // Met on the inbox connection and swallowed (or another error returned): the transaction is not whole.
+    if let Some(code) = own {
+        return Err(storage_error(code));
+    }
     Ok(result)
+}
+
+/// The first storage failure code in a handler error's chain (a rusqlite error, or an inbox [`Error`]).
+fn storage_code_in(err: &anyhow::Error) -> Option<i32> {
+    err.chain().find_map(|cause| {
+        let code = match cause.downcast_ref::<rusqlite::Error>() {
+            Some(rusqlite::Error::SqliteFailure(e, _)) => Some(e.extended_code),
+            Some(_) => None,
+            None => cause.downcast_ref::<Error>().and_then(Error::sqlite_code),
+        };
+        code.filter(|c| is_storage_failure(*c))
+    })
 }
 
 /// Claims the sequence of a numbered delivery in a scope with sequence watermarks, inside the caller's open
@@ -539,25 +584,16 @@ fn claim_sequence(
     crate::retention::watermark::claim(conn, &claim, d, now).map(Some)
 }
 
-/// Inserts a `quarantine` row and counts it, inside the caller's open transaction; returns the row id.
-fn insert_quarantine(
-    conn: &Db,
-    scope_id: i64,
-    topic: &str,
-    payload: &[u8],
-    reason: &str,
-    now: i64,
-) -> rusqlite::Result<i64> {
-    conn.prepare_cached(
-        "INSERT INTO quarantine (scope_id, topic, payload, reason, at) VALUES (?1, ?2, ?3, ?4, ?5)",
-    )?
-    .execute((scope_id, topic, payload, reason, now))?;
-    let id = conn.last_insert_rowid();
-    conn.prepare_cached(
-        "UPDATE scope_stats SET quarantined = quarantined + 1 WHERE scope_id = ?1",
-    )?
-    .execute([scope_id])?;
-    Ok(id)
+/// Logs a quarantined arrival: a warning for a new record, a debug line for a repeat (a redelivery must not
+/// flood the log).
+fn log_quarantine(topic: &str, scope: &str, reason: &str, new: bool) {
+    if new {
+        log::warn!("quarantined a delivery on topic {topic:?} for scope {scope}: {reason}");
+    } else {
+        log::debug!(
+            "quarantined delivery on topic {topic:?} for scope {scope} arrived again: {reason}"
+        );
+    }
 }
 
 /// How [`claim_identity`] settled a delivery.
@@ -703,20 +739,28 @@ fn existing(
     if stored == received {
         return Ok(Outcome::Duplicate);
     }
-    conn.prepare_cached(
-        "INSERT INTO conflicts (scope_id, id_hash, producer, message_id, topic, stored_fingerprint, \
-         received_fingerprint, at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-    )?
-    .execute((
-        scope_id,
-        &id_hash.0[..],
-        d.producer,
-        d.message_id,
-        d.topic,
-        stored.to_sql(),
-        received.to_sql(),
+    let new = records::conflict(
+        conn,
+        &records::Conflict {
+            scope_id,
+            id_hash,
+            producer: d.producer,
+            message_id: d.message_id,
+            topic: d.topic,
+            stored,
+            received,
+        },
         now,
-    ))?;
+    )?;
+    if !new {
+        log::debug!(
+            "conflict in scope {} for message id {:?} (producer {:?}) arrived again; counted on its record",
+            d.scope,
+            d.message_id,
+            d.producer
+        );
+        return Ok(Outcome::Conflict { stored, received });
+    }
     log::warn!(
         "conflict in scope {}: message id {:?} (producer {:?}) arrived with fingerprint {received}, \
          committed with {stored}; recorded, not applied",
@@ -727,21 +771,24 @@ fn existing(
     Ok(Outcome::Conflict { stored, received })
 }
 
-/// The storage error behind a handler's error, if its chain holds one.
-pub(crate) fn storage_cause(err: &anyhow::Error) -> Option<Error> {
-    for cause in err.chain() {
-        if let Some(e) = cause.downcast_ref::<rusqlite::Error>() {
-            if let Some(code) = extended_code(e).filter(|c| is_storage_failure(*c)) {
-                return Some(storage_error(code));
-            }
-        }
-        if let Some(e) = cause.downcast_ref::<Error>() {
-            if let Some(code) = e.sqlite_code().filter(|c| is_storage_failure(*c)) {
-                return Some(storage_error(code));
-            }
-        }
-    }
-    None
+/// The storage failure the inbox's own connection met last, if its most recent call failed with one.
+///
+/// A handler's error value cannot say which connection produced it: a lookup database the handler opens itself
+/// fails with the same `SQLITE_CANTOPEN` or `SQLITE_IOERR` as the inbox's file would, and taking that for the
+/// inbox's trouble retried the delivery for ever. So the connection is asked instead of the error: SQLite keeps,
+/// per connection, the extended result code of its most recent statement step or call
+/// (`sqlite3_extended_errcode`), and every step sets it, to `SQLITE_ROW`/`SQLITE_DONE` on success. Read right
+/// after the handler returns, it holds a storage code only if the last thing run on the inbox's connection (a
+/// statement through [`Tx::sql`], typically) failed with one, whatever the handler then returned, a swallowed
+/// error or `Ok` included: such a transaction must not commit. A failure on another connection never touches
+/// it. Not seen here: trouble met on the inbox's connection by a statement after which the handler ran another
+/// one that succeeded; the inbox's API calls record theirs in the transaction's `failure` cell, a failure that
+/// ended the transaction is caught by `handler_tx_ended`, and trouble that persists fails the inbox's own next
+/// statements (the rollback, the failure count, the commit).
+fn own_storage_failure(conn: &Connection) -> Option<i32> {
+    // SAFETY: the handle is this open connection's; reading its error code has no side effect.
+    let code = unsafe { rusqlite::ffi::sqlite3_extended_errcode(conn.handle()) };
+    is_storage_failure(code).then_some(code)
 }
 
 pub(crate) fn intern_scope(conn: &Db, scope: &str, now: i64) -> Result<i64> {

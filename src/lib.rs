@@ -1,14 +1,15 @@
 // Source layout, lowest layer first; a file imports only from its own layer or below, and no files import each
 // other in a circle (`.ci/check-layers` checks both). `store/` is the storage layer: the connection and its hot
 // statements, schema and migrations, the transaction primitives and clock (`txn.rs`), errors, config, identity,
-// outcome and the handler's `Tx`; it imports nothing above it. `retention/mod.rs` and `retention/watermark.rs`
-// hold the rules the identity claim applies. `inbox.rs` is the strong case, where a delivery's path reads
-// top-down: identity claim, transaction, handler, commit. The features add `impl Inbox` blocks on top of it:
-// `deferred/` (receive, workers, backlog, dead letters, requeue), `outbox.rs`, `retention/prune.rs` (policies,
-// watermarks, pruning), `kv.rs` (the key-value state read outside a handler). Highest are `mqtt/`
-// (connection, consumer, in-order acks, relay; identity extraction is plain data and built without the
-// `mqtt` feature), where the ack follows the commit, and `inspect/` with the durable counters. The `pub use`
-// list below is the whole public surface; the folders stay private.
+// outcome, quarantine and conflict records and the handler's `Tx`; it imports nothing above it.
+// `retention/mod.rs` and `retention/watermark.rs` hold the rules the identity claim applies. `inbox.rs` is the
+// strong case, where a delivery's path reads top-down: identity claim, transaction, handler, commit. The features
+// add `impl Inbox` blocks on top of it: `deferred/` (receive, workers, backlog, dead letters, requeue),
+// `outbox.rs`, `retention/prune.rs` (policies, watermarks, pruning), `retention/records.rs` (pruning quarantine
+// and conflict records), `kv.rs` (the key-value state read outside a handler). Highest are `mqtt/` (connection,
+// consumer, in-order acks, relay; identity extraction is plain data and built without the `mqtt` feature), where
+// the ack follows the commit, and `inspect/` with the durable counters. The `pub use` list below is the whole
+// public surface; the folders stay private.
 
 //! # edge-inbox
 //!
@@ -82,6 +83,14 @@
 //!
 //! Errors are classified by SQLite extended result codes ([`Error::sqlite_code`]), never by message text.
 //!
+//! Quarantine and conflict records are bounded and kept once per distinct delivery. A quarantine record holds the
+//! topic, the reason, the first [`QUARANTINE_PREFIX`] (256) bytes of the payload, its length and its xxh3-128,
+//! never the whole payload. The same delivery arriving again (a lost PUBACK, a reconnect) adds an arrival
+//! (`arrivals`, `last_at`) to its record instead of a new one: for a delivery without an identity the record is
+//! that of (scope, topic, payload), for one with an identity that of (scope, identity, topic, payload), and a
+//! conflict record that of (scope, identity, received content). The counters `quarantined` and `conflicts` count
+//! arrivals, `quarantine_records` and `conflict_records` the records made ([`ScopeStats`]).
+//!
 //! ## Identity
 //!
 //! A [`Delivery`] is identified by *(scope, producer, message id)*:
@@ -130,6 +139,15 @@
 //! [`Error::HandlerEndedTransaction`] and an error in the log, but whatever such a handler committed on its own
 //! in the meantime cannot be undone. To act on a commit, act on the `Ok` the call returns (it comes only once
 //! the commit is durable); to notice commits by other connections, poll `PRAGMA data_version`.
+//!
+//! **Whose storage error it is.** Storage trouble of the inbox's own database fails the call as an [`Error`]
+//! (nothing committed, nothing acked), however the handler met it: through [`Tx`] (remembered even if the
+//! handler swallowed it) or through a statement on [`Tx::sql`] (the connection's own last result code,
+//! read right after the handler returns, says so; an error value alone cannot tell which connection it came
+//! from). Anything else a handler returns is a handler failure, a storage error of another SQLite database the
+//! handler opened itself included: a lookup file it cannot open (`SQLITE_CANTOPEN`) or read (`SQLITE_IOERR`)
+//! gives [`Outcome::HandlerFailed`], and the consumer's or [`Worker`]'s attempts and dead letter follow, instead of
+//! a retry for ever that holds back every delivery behind it.
 //!
 //! ## Group commit
 //!
@@ -464,14 +482,28 @@
 //!   scope recorded anything, even if the horizon since pruned all its identities): when producers
 //!   number their messages, contiguous processed ranges collapse into one high-water mark per producer plus the
 //!   few sequences that arrived out of order, so deduplication stays exact for ever in O(producers) space
-//!   (10 million messages from 100 producers: an 84 KiB file, plus the window below). A repeated sequence is
-//!   never a duplicate on its number alone: the identity and fingerprint of the last [`SEQUENCE_WINDOW`]
-//!   sequences of each producer (and of every out-of-order one) are kept, so the same message is a duplicate,
-//!   the same id with other content a conflict, and another id (a producer that restarted its counter, or two
-//!   producers in one namespace) an [`Outcome::SequenceConflict`]: quarantined with its reason and counted
-//!   (`sequence_conflicts`). Below the window nothing can be compared any more, so such a sequence is
-//!   quarantined too (cause `below-window`): never applied twice, never acked unseen. A numbered delivery
-//!   sent before [`Inbox::pruned_before`] whose sequence is new meets the [`ExpiredPolicy`] like any other.
+//!   (10 million messages from 100 producers: an 84 KiB file, plus the window below, about 10 KiB per
+//!   producer). A repeated sequence is never a duplicate on its number alone: the identity and fingerprint of the
+//!   last [`SEQUENCE_WINDOW`] sequences of each producer (and of every out-of-order one) are kept, so the same
+//!   message is a duplicate, the same id with other content a conflict, and another id (a producer that
+//!   restarted its counter, or two producers in one namespace) an [`Outcome::SequenceConflict`]: quarantined with
+//!   its reason and counted (`sequence_conflicts`). Below the window nothing can be compared any more, so such a
+//!   sequence is quarantined too (cause `below-window`): never applied twice, never acked unseen. A numbered
+//!   delivery sent before [`Inbox::pruned_before`] whose sequence is new meets the [`ExpiredPolicy`] like any
+//!   other. The identity is (scope, producer, message id) here too: a message id known in the window is
+//!   recognised whatever sequence it comes with (a producer that numbers publish attempts, or republishes after
+//!   a restart), a duplicate with the same content and a conflict with other content, and a free sequence it
+//!   comes with is claimed, so it leaves no gap. Known means: the sequence that first claimed the id is still
+//!   among the producer's last [`SEQUENCE_WINDOW`] sequences at or below its mark, or is an out-of-order one.
+//!   Beyond that the id is forgotten: coming again under a sequence at or below the mark it is quarantined
+//!   (`below-window`, never applied twice), but under a new sequence above the mark it is taken as new and
+//!   applied again: past the window a watermark scope tells numbered messages apart by (producer, sequence)
+//!   only. A producer that may republish an id under a new number after more than [`SEQUENCE_WINDOW`] further
+//!   messages should not use watermarks for that traffic;
+//! - **quarantine and conflict records** ([`RetentionPolicy::quarantine_and_conflicts`], default: kept for
+//!   ever): records whose last arrival is older than the age are deleted by a pass (and `inboxctl prune`), a
+//!   bounded number per step; nothing else is. Set it on a scope that untrusted publishers can reach: each
+//!   distinct bad delivery adds a record of a few hundred bytes.
 //!
 //! [`Inbox::prune_step`] does one bounded step (a window of rows, some free pages, or a WAL checkpoint) in its
 //! own short transaction; [`Inbox::prune`] runs a whole pass, resting between steps so that consumers on the
@@ -492,7 +524,8 @@
 //!         .processed_payloads(DAY)
 //!         .dead_letter_payloads(30 * DAY)
 //!         .identity_horizon(180 * DAY)
-//!         .expired(ExpiredPolicy::Quarantine),
+//!         .expired(ExpiredPolicy::Quarantine)
+//!         .quarantine_and_conflicts(90 * DAY),
 //! )?;
 //! let report = inbox.prune(&Pruning::default())?; // e.g. from a maintenance thread, on its own Inbox
 //! assert!(report.done);
@@ -579,6 +612,7 @@ pub use crate::store::config::{Config, Limits, Synchronous};
 pub use crate::store::error::{Error, InvalidDelivery, Result};
 pub use crate::store::identity::{Delivery, Fingerprint, IdHash, IdKey, ID_KEY_LEN};
 pub use crate::store::outcome::{MessageState, Outcome, SequenceConflictCause, Status};
+pub use crate::store::records::QUARANTINE_PREFIX;
 pub use crate::store::schema::{open_read_only, SCHEMA_VERSION};
 pub use crate::store::state::Tx;
 

@@ -408,9 +408,19 @@ const SCOPE_FAMILIES: &[(&str, PrometheusType, &str)] = &[
         "conflicts",
     ),
     (
+        "edge_inbox_conflict_records_total",
+        PrometheusType::Counter,
+        "conflict_records",
+    ),
+    (
         "edge_inbox_quarantined_total",
         PrometheusType::Counter,
         "quarantined",
+    ),
+    (
+        "edge_inbox_quarantine_records_total",
+        PrometheusType::Counter,
+        "quarantine_records",
     ),
     ("edge_inbox_pending", PrometheusType::Gauge, "pending"),
     (
@@ -590,8 +600,8 @@ fn stats_in_prometheus_format_carry_the_json_figures() {
         assert!(want > 0, "{field}");
         assert_eq!(*value, want as f64, "{family}");
     }
-    assert_eq!(parsed.len(), 9 * 3 - 2 + 2, "every sample accounted for");
-    assert_eq!(text.matches("# TYPE ").count(), 11, "one family per figure");
+    assert_eq!(parsed.len(), 11 * 3 - 2 + 2, "every sample accounted for");
+    assert_eq!(text.matches("# TYPE ").count(), 13, "one family per figure");
 
     // --json and --format disagreeing is a usage error.
     let both = inboxctl(&path, &["--json", "stats", "--format", "prometheus"]);
@@ -749,6 +759,56 @@ fn times_are_rfc3339_for_people_and_unix_seconds_beside_them_in_json() {
     assert_eq!(prune["as_of_unix"], 1_700_000_000);
     assert_eq!(prune["as_of"], "2023-11-14T22:13:20Z");
     assert!(ok(&path, &["prune", "--as-of", "1700000000"]).contains("as of 2023-11-14T22:13:20Z"));
+}
+
+#[test]
+fn prune_deletes_old_quarantine_and_conflict_records_by_the_stored_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = populate(&path);
+    inbox
+        .set_retention(
+            SCOPE,
+            &RetentionPolicy::new().quarantine_and_conflicts(Duration::from_secs(DAY as u64)),
+        )
+        .unwrap();
+    drop(inbox);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let later = (now + 2 * DAY).to_string();
+    let before = scope(&json(&path, &["stats", "--scope", SCOPE]), SCOPE).clone();
+    let dry = json(&path, &["prune", "--as-of", &later]);
+    let due = &dry["due"].as_array().unwrap()[0];
+    assert_eq!(
+        (
+            due["quarantine_due"].as_u64(),
+            due["conflicts_due"].as_u64()
+        ),
+        (Some(1), Some(1))
+    );
+    assert_eq!(
+        json_lines(&path, &["quarantine", "--scope", SCOPE]).len(),
+        1,
+        "a dry run deletes nothing"
+    );
+    let applied = json(&path, &["prune", "--apply", "--as-of", &later]);
+    assert_eq!(applied["pruned"]["quarantine_records"], 1);
+    assert_eq!(applied["pruned"]["conflict_records"], 1);
+    assert!(json_lines(&path, &["quarantine", "--scope", SCOPE]).is_empty());
+    assert!(json_lines(&path, &["conflicts", "--scope", SCOPE]).is_empty());
+    let after = scope(&json(&path, &["stats", "--scope", SCOPE]), SCOPE).clone();
+    for field in [
+        "identities_retained",
+        "messages_stored",
+        "pending",
+        "dead_letters",
+        "quarantined",
+        "conflicts",
+    ] {
+        assert_eq!(after[field], before[field], "{field}: only the records go");
+    }
 }
 
 /// Permission bits of `path` (the file itself, not a symlink's target).

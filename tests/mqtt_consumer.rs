@@ -192,16 +192,20 @@ fn bad_json_is_dead_lettered_after_retries_and_oversized_payloads_are_quarantine
         (3, 3, &b"{not json"[..])
     );
     assert!(err.contains("handler failed 3 time(s)"), "{err}");
-    let (reason, len): (String, i64) = inbox
+    let (reason, len, kept): (String, i64, i64) = inbox
         .connection()
-        .query_row("SELECT reason, length(payload) FROM quarantine", [], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })
+        .query_row(
+            "SELECT reason, payload_len, length(payload) FROM quarantine",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
         .unwrap();
     assert!(reason.contains("payload is 40000 bytes"), "{reason}");
+    // A bounded record for the operator: its length and a prefix, not the whole payload (issue 21, item 6).
     assert_eq!(
-        len, 40_000,
-        "the oversized payload is kept whole for the operator"
+        (len, kept),
+        (40_000, edge_inbox::QUARANTINE_PREFIX as i64),
+        "the oversized payload's record"
     );
 
     // A redelivery of the dead-lettered message is a duplicate: the handler does not run again.

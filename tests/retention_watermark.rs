@@ -147,8 +147,10 @@ fn out_of_order_sequences_wait_as_exceptions_then_fold() {
         .set_retention(scope, &RetentionPolicy::new().sequence_watermarks(0))
         .unwrap();
     let ok = |_: &mut edge_inbox::Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> { Ok(()) };
+    // Each sequence its own message id: a known id is recognised under any sequence (issue 21, item 5).
+    let ids: Vec<String> = (0..8).map(|s| format!("evt-{s}")).collect();
     let d = |s: u64| {
-        Delivery::new(scope, "ignored-for-numbered", "t", b"x")
+        Delivery::new(scope, &ids[s as usize], "t", b"x")
             .with_producer("p")
             .with_sequence(s)
     };

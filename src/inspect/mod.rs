@@ -35,11 +35,12 @@ pub struct ScopeReport {
     pub processed: u64,
     /// Redeliveries recognised as duplicates (durable counter).
     pub duplicates: u64,
-    /// Same id, different content (durable counter; the records are in `conflicts`).
+    /// Arrivals of deliveries with a committed id and different content, redeliveries included (durable counter;
+    /// the records are in `conflicts`).
     pub conflicts: u64,
     /// Handler failures, each rolled back (durable counter).
     pub handler_failures: u64,
-    /// Deliveries recorded in quarantine (durable counter).
+    /// Arrivals of quarantined deliveries, redeliveries included (durable counter).
     pub quarantined: u64,
     /// Messages ever moved to the dead letters (durable counter).
     pub dead_lettered: u64,
@@ -54,6 +55,10 @@ pub struct ScopeReport {
     pub sequence_conflicts: u64,
     /// Identities re-dated because their commit day could not be right (durable counter).
     pub identities_restamped: u64,
+    /// Distinct conflict records made, one per (identity, received content) (durable counter).
+    pub conflict_records: u64,
+    /// Distinct quarantine records made, one per distinct delivery (durable counter).
+    pub quarantine_records: u64,
     /// Retained identities of deliveries without a send time: the identity horizon never prunes them.
     pub identities_undated: u64,
     /// Stored messages waiting to be processed (state pending, including those in flight).
@@ -191,8 +196,12 @@ pub struct ConflictReport {
     pub stored_fingerprint: String,
     /// Fingerprint of the content that conflicted, hex.
     pub received_fingerprint: String,
-    /// When it was recorded, Unix seconds.
+    /// When it first arrived, Unix seconds.
     pub at: i64,
+    /// When it last arrived, Unix seconds.
+    pub last_at: i64,
+    /// How many times it arrived (a redelivery adds an arrival, not a record).
+    pub arrivals: u64,
 }
 
 /// A quarantined delivery (its payload only in [`export`]).
@@ -205,12 +214,19 @@ pub struct QuarantineReport {
     pub scope: Option<String>,
     /// Topic it arrived on.
     pub topic: String,
-    /// Payload size in bytes.
+    /// Size of the whole payload in bytes (the record keeps only its first
+    /// [`QUARANTINE_PREFIX`](crate::QUARANTINE_PREFIX) bytes).
     pub payload_bytes: u64,
-    /// Why it was quarantined.
+    /// xxh3-128 of the whole payload, hex (`None` in a file of schema version 3 or older).
+    pub payload_hash: Option<String>,
+    /// Why it was quarantined (at its first arrival).
     pub reason: String,
-    /// When, Unix seconds.
+    /// When it first arrived, Unix seconds.
     pub at: i64,
+    /// When it last arrived, Unix seconds.
+    pub last_at: i64,
+    /// How many times it arrived (a redelivery adds an arrival, not a record).
+    pub arrivals: u64,
 }
 
 /// What a retention pass would delete now, per scope with a policy; see [`prune_preview`].
@@ -225,6 +241,33 @@ pub struct PrunePreview {
     pub dead_letters_due: u64,
     /// Identities past the identity horizon whose stored message is gone or due as well.
     pub identities_due: u64,
+    /// Quarantine records whose last arrival is older than the record age.
+    pub quarantine_due: u64,
+    /// Conflict records whose last arrival is older than the record age.
+    pub conflicts_due: u64,
+}
+
+/// Quarantine and conflict records of scope `scope_id` due for deletion at `now` (none before schema version 4,
+/// which added the record age).
+fn records_due(conn: &Connection, scope_id: i64, now: i64) -> Result<(u64, u64)> {
+    if crate::store::schema::version(conn)? < 4 {
+        return Ok((0, 0));
+    }
+    let age: Option<i64> = conn
+        .prepare_cached("SELECT record_age FROM retention WHERE scope_id = ?1")?
+        .query_row([scope_id], |r| r.get(0))
+        .optional()?
+        .flatten();
+    let Some(age) = age else { return Ok((0, 0)) };
+    let cutoff = now.saturating_sub(age);
+    let due = |table: &str| -> Result<u64> {
+        Ok(u(conn
+            .prepare_cached(&format!(
+                "SELECT count(*) FROM {table} WHERE scope_id = ?1 AND last_at <= ?2"
+            ))?
+            .query_row((scope_id, cutoff), |r| r.get(0))?))
+    };
+    Ok((due("quarantine")?, due("conflicts")?))
 }
 
 /// Health of the file: `PRAGMA integrity_check`, the inbox's own invariants and the settings found; see
@@ -310,12 +353,13 @@ pub enum ExportRow {
     },
     /// A conflict record.
     Conflict(ConflictReport),
-    /// A quarantined delivery and its payload.
+    /// A quarantined delivery and the part of its payload its record keeps.
     Quarantine {
         /// The row without its payload.
         #[serde(flatten)]
         record: QuarantineReport,
-        /// The payload.
+        /// The payload's first [`QUARANTINE_PREFIX`](crate::QUARANTINE_PREFIX) bytes (the whole payload in a
+        /// file of schema version 3 or older).
         #[serde(serialize_with = "bytes")]
         payload: Vec<u8>,
     },
@@ -368,11 +412,12 @@ pub fn stats(conn: &Connection, scope: Option<&str>) -> Result<Vec<ScopeReport>>
     let now_ms = unix_now_ms();
     snapshot(conn, || {
         let v2 = crate::inspect::stats::v2_columns(conn)?;
+        let v4 = crate::inspect::stats::v4_columns(conn)?;
         let processed = crate::inspect::stats::processed_column(conn)?;
         let mut stmt = conn.prepare_cached(&format!(
             "SELECT s.id, s.name, coalesce({processed}, 0), coalesce(st.duplicates, 0), coalesce(st.conflicts, 0), \
              coalesce(st.handler_failures, 0), coalesce(st.quarantined, 0), coalesce(st.dead_lettered, 0), \
-             coalesce(st.identities_pruned, 0), coalesce(st.payloads_pruned, 0), coalesce(st.expired, 0), {v2} \
+             coalesce(st.identities_pruned, 0), coalesce(st.payloads_pruned, 0), coalesce(st.expired, 0), {v2}, {v4} \
              FROM scopes s LEFT JOIN scope_stats st ON st.scope_id = s.id \
              WHERE ?1 IS NULL OR s.name = ?1 ORDER BY s.name",
         ))?;
@@ -393,6 +438,8 @@ pub fn stats(conn: &Connection, scope: Option<&str>) -> Result<Vec<ScopeReport>>
                         expired: u(r.get(10)?),
                         sequence_conflicts: u(r.get(11)?),
                         identities_restamped: u(r.get(12)?),
+                        conflict_records: u(r.get::<_, Option<i64>>(13)?.unwrap_or(0)),
+                        quarantine_records: u(r.get::<_, Option<i64>>(14)?.unwrap_or(0)),
                         ..ScopeReport::default()
                     },
                 ))
@@ -526,10 +573,11 @@ pub fn conflicts(
     scope: Option<&str>,
     limit: usize,
 ) -> Result<Vec<ConflictReport>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT c.id, s.name, c.producer, c.message_id, c.topic, c.stored_fingerprint, c.received_fingerprint, c.at \
-         FROM conflicts c JOIN scopes s ON s.id = c.scope_id WHERE ?1 IS NULL OR s.name = ?1 ORDER BY c.id LIMIT ?2",
-    )?;
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {} FROM conflicts c JOIN scopes s ON s.id = c.scope_id WHERE ?1 IS NULL OR s.name = ?1 \
+         ORDER BY c.id LIMIT ?2",
+        conflict_columns(conn)?
+    ))?;
     let rows = stmt.query_map((scope, clamp(limit)), conflict_row)?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
@@ -544,6 +592,43 @@ fn conflict_row(r: &Row<'_>) -> rusqlite::Result<ConflictReport> {
         stored_fingerprint: Fingerprint::from_sql(r.get(5)?).to_string(),
         received_fingerprint: Fingerprint::from_sql(r.get(6)?).to_string(),
         at: r.get(7)?,
+        last_at: r.get(8)?,
+        arrivals: u(r.get(9)?),
+    })
+}
+
+/// The columns `conflict_row` reads; a file older than schema version 4 has one arrival per row.
+fn conflict_columns(conn: &Connection) -> Result<&'static str> {
+    Ok(if crate::store::schema::version(conn)? >= 4 {
+        "c.id, s.name, c.producer, c.message_id, c.topic, c.stored_fingerprint, c.received_fingerprint, c.at, \
+         c.last_at, c.arrivals"
+    } else {
+        "c.id, s.name, c.producer, c.message_id, c.topic, c.stored_fingerprint, c.received_fingerprint, c.at, \
+         c.at, 1"
+    })
+}
+
+/// The columns `quarantine_row` reads (and the stored payload prefix last); a file older than schema version 4
+/// holds whole payloads, one arrival per row.
+fn quarantine_columns(conn: &Connection) -> Result<&'static str> {
+    Ok(if crate::store::schema::version(conn)? >= 4 {
+        "q.id, s.name, q.topic, q.payload_len, q.payload_hash, q.reason, q.at, q.last_at, q.arrivals, q.payload"
+    } else {
+        "q.id, s.name, q.topic, length(q.payload), NULL, q.reason, q.at, q.at, 1, q.payload"
+    })
+}
+
+fn quarantine_row(r: &Row<'_>) -> rusqlite::Result<QuarantineReport> {
+    Ok(QuarantineReport {
+        id: r.get(0)?,
+        scope: r.get(1)?,
+        topic: r.get(2)?,
+        payload_bytes: u(r.get(3)?),
+        payload_hash: r.get::<_, Option<Vec<u8>>>(4)?.map(|h| hex(&h)),
+        reason: r.get(5)?,
+        at: r.get(6)?,
+        last_at: r.get(7)?,
+        arrivals: u(r.get(8)?),
     })
 }
 
@@ -553,20 +638,12 @@ pub fn quarantine(
     scope: Option<&str>,
     limit: usize,
 ) -> Result<Vec<QuarantineReport>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT q.id, s.name, q.topic, length(q.payload), q.reason, q.at FROM quarantine q \
-         LEFT JOIN scopes s ON s.id = q.scope_id WHERE ?1 IS NULL OR s.name = ?1 ORDER BY q.id LIMIT ?2",
-    )?;
-    let rows = stmt.query_map((scope, clamp(limit)), |r| {
-        Ok(QuarantineReport {
-            id: r.get(0)?,
-            scope: r.get(1)?,
-            topic: r.get(2)?,
-            payload_bytes: u(r.get(3)?),
-            reason: r.get(4)?,
-            at: r.get(5)?,
-        })
-    })?;
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {} FROM quarantine q LEFT JOIN scopes s ON s.id = q.scope_id WHERE ?1 IS NULL OR s.name = ?1 \
+         ORDER BY q.id LIMIT ?2",
+        quarantine_columns(conn)?
+    ))?;
+    let rows = stmt.query_map((scope, clamp(limit)), quarantine_row)?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
 
@@ -643,11 +720,14 @@ pub fn prune_preview(conn: &Connection, now: i64) -> Result<Vec<PrunePreview>> {
                         |r| r.get(0),
                     )?,
             };
+            let (quarantine_due, conflicts_due) = records_due(conn, id, now)?;
             out.push(PrunePreview {
                 scope: name,
                 payloads_due: u(payloads),
                 dead_letters_due: u(dead),
                 identities_due: u(identities),
+                quarantine_due,
+                conflicts_due,
             });
         }
         Ok(out)
@@ -813,32 +893,25 @@ fn export_rows<E>(
                 }
             }
             Table::Conflicts => {
-                let mut stmt = conn.prepare(
-                    "SELECT c.id, s.name, c.producer, c.message_id, c.topic, c.stored_fingerprint, \
-                     c.received_fingerprint, c.at FROM conflicts c JOIN scopes s ON s.id = c.scope_id ORDER BY c.id",
-                )?;
+                let mut stmt = conn.prepare(&format!(
+                    "SELECT {} FROM conflicts c JOIN scopes s ON s.id = c.scope_id ORDER BY c.id",
+                    conflict_columns(conn).map_err(Stop::Db)?
+                ))?;
                 let mut rows = stmt.query([])?;
                 while let Some(r) = rows.next()? {
                     each(ExportRow::Conflict(conflict_row(r)?))?;
                 }
             }
             Table::Quarantine => {
-                let mut stmt = conn.prepare(
-                    "SELECT q.id, s.name, q.topic, length(q.payload), q.reason, q.at, q.payload FROM quarantine q \
-                     LEFT JOIN scopes s ON s.id = q.scope_id ORDER BY q.id",
-                )?;
+                let mut stmt = conn.prepare(&format!(
+                    "SELECT {} FROM quarantine q LEFT JOIN scopes s ON s.id = q.scope_id ORDER BY q.id",
+                    quarantine_columns(conn).map_err(Stop::Db)?
+                ))?;
                 let mut rows = stmt.query([])?;
                 while let Some(r) = rows.next()? {
                     each(ExportRow::Quarantine {
-                        record: QuarantineReport {
-                            id: r.get(0)?,
-                            scope: r.get(1)?,
-                            topic: r.get(2)?,
-                            payload_bytes: u(r.get(3)?),
-                            reason: r.get(4)?,
-                            at: r.get(5)?,
-                        },
-                        payload: r.get(6)?,
+                        record: quarantine_row(r)?,
+                        payload: r.get(9)?,
                     })?;
                 }
             }

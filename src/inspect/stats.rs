@@ -14,11 +14,13 @@ pub struct ScopeStats {
     pub processed: u64,
     /// Redeliveries recognised as duplicates.
     pub duplicates: u64,
-    /// Deliveries that reused a committed id with different content.
+    /// Arrivals of deliveries that reused a committed id with different content, redeliveries of the same
+    /// conflicting delivery included (each is answered [`Outcome::Conflict`](crate::Outcome::Conflict)).
     pub conflicts: u64,
     /// Handler failures (each rolled back).
     pub handler_failures: u64,
-    /// Deliveries recorded in the quarantine table.
+    /// Arrivals of quarantined deliveries, redeliveries of the same delivery included (each was kept and may be
+    /// acked). Sequence conflicts and expired deliveries that were quarantined count here too.
     pub quarantined: u64,
     /// Messages moved to the dead letters.
     pub dead_lettered: u64,
@@ -35,6 +37,13 @@ pub struct ScopeStats {
     /// Identities whose commit day could not be right (before the database existed) and that retention
     /// re-dated to the day it first saw a plausible clock.
     pub identities_restamped: u64,
+    /// Distinct conflict records made: one per (identity, received content); later arrivals of the same
+    /// conflicting delivery count in `conflicts` only. Pruning a record does not lower it.
+    pub conflict_records: u64,
+    /// Distinct quarantine records made: one per distinct delivery (see
+    /// [`Inbox::quarantine`](crate::Inbox::quarantine)); later arrivals count in `quarantined` only. Pruning a
+    /// record does not lower it.
+    pub quarantine_records: u64,
 }
 
 impl Inbox {
@@ -53,10 +62,11 @@ pub(crate) fn scope_stats(conn: &Connection, scope: &str) -> Result<ScopeStats> 
     let row = conn
         .prepare_cached(&format!(
             "SELECT {}, duplicates, conflicts, handler_failures, quarantined, dead_lettered, \
-             identities_pruned, payloads_pruned, expired, {} FROM scope_stats st JOIN scopes s ON s.id = st.scope_id \
+             identities_pruned, payloads_pruned, expired, {}, {} FROM scope_stats st JOIN scopes s ON s.id = st.scope_id \
              WHERE s.name = ?1",
             processed_column(conn)?,
-            v2_columns(conn)?
+            v2_columns(conn)?,
+            v4_columns(conn)?
         ))?
         .query_row([scope], |r| {
             Ok(ScopeStats {
@@ -71,6 +81,8 @@ pub(crate) fn scope_stats(conn: &Connection, scope: &str) -> Result<ScopeStats> 
                 expired: r.get::<_, i64>(8)? as u64,
                 sequence_conflicts: r.get::<_, i64>(9)? as u64,
                 identities_restamped: r.get::<_, i64>(10)? as u64,
+                conflict_records: r.get::<_, i64>(11)? as u64,
+                quarantine_records: r.get::<_, i64>(12)? as u64,
             })
         })
         .optional()?;
@@ -93,5 +105,16 @@ pub(crate) fn v2_columns(conn: &Connection) -> Result<&'static str> {
         "sequence_conflicts, identities_restamped"
     } else {
         "0, 0"
+    })
+}
+
+/// The record counts added by schema version 4; for an older file opened read-only, the rows it holds (each
+/// was a record, before redeliveries were merged).
+pub(crate) fn v4_columns(conn: &Connection) -> Result<&'static str> {
+    Ok(if crate::store::schema::version(conn)? >= 4 {
+        "st.conflict_records, st.quarantine_records"
+    } else {
+        "(SELECT count(*) FROM conflicts c WHERE c.scope_id = st.scope_id), \
+         (SELECT count(*) FROM quarantine q WHERE q.scope_id = st.scope_id)"
     })
 }

@@ -17,6 +17,7 @@ use crate::store::identity::{Delivery, IdHash};
 use crate::store::outcome::Outcome;
 
 mod prune;
+mod records;
 pub(crate) mod watermark;
 
 const DAY: i64 = 86_400;
@@ -81,6 +82,7 @@ pub struct RetentionPolicy {
     expired: ExpiredPolicy,
     clock_skew: Duration,
     first_sequence: Option<u64>,
+    records: Option<Duration>,
 }
 
 impl Default for RetentionPolicy {
@@ -92,6 +94,7 @@ impl Default for RetentionPolicy {
             expired: ExpiredPolicy::default(),
             clock_skew: Duration::from_secs(300),
             first_sequence: None,
+            records: None,
         }
     }
 }
@@ -163,6 +166,22 @@ impl RetentionPolicy {
     pub fn sequence_watermarks(mut self, first: u64) -> Self {
         self.first_sequence = Some(first);
         self
+    }
+
+    /// Delete the scope's quarantine and conflict records whose last arrival is older than `age`. Default: kept
+    /// forever. Each record is small and bounded (see [`QUARANTINE_PREFIX`](crate::QUARANTINE_PREFIX)), but
+    /// every distinct bad delivery adds one, so a scope open to untrusted publishers should set this. Only these
+    /// records are deleted: never an identity, a stored message or a counter (`quarantined`, `conflicts` and
+    /// their `_records` counts are history). A delivery arriving again after its record was deleted makes a new
+    /// record.
+    pub fn quarantine_and_conflicts(mut self, age: Duration) -> Self {
+        self.records = Some(age);
+        self
+    }
+
+    /// Age after which quarantine and conflict records are deleted (`None`: kept).
+    pub fn get_quarantine_and_conflicts(&self) -> Option<Duration> {
+        self.records
     }
 
     /// Age after which processed payloads are deleted (`None`: kept).
@@ -375,6 +394,10 @@ pub struct PruneReport {
     pub dead_letters_pruned: u64,
     /// Identities deleted by an identity horizon.
     pub identities_pruned: u64,
+    /// Quarantine records deleted ([`RetentionPolicy::quarantine_and_conflicts`]).
+    pub quarantine_pruned: u64,
+    /// Conflict records deleted ([`RetentionPolicy::quarantine_and_conflicts`]).
+    pub conflicts_pruned: u64,
     /// Free pages given back to the file system.
     pub pages_reclaimed: u64,
     /// Steps (short transactions) run.
@@ -394,6 +417,8 @@ impl PruneReport {
         self.payloads_pruned += o.payloads_pruned;
         self.dead_letters_pruned += o.dead_letters_pruned;
         self.identities_pruned += o.identities_pruned;
+        self.quarantine_pruned += o.quarantine_pruned;
+        self.conflicts_pruned += o.conflicts_pruned;
         self.pages_reclaimed += o.pages_reclaimed;
         self.steps += o.steps;
         self.done = o.done;
@@ -422,6 +447,7 @@ enum Phase {
     #[default]
     Messages,
     Identities,
+    Records,
     Vacuum,
     Checkpoint,
 }
@@ -435,6 +461,8 @@ pub(crate) struct RetentionState {
     msg_after: i64,
     id_scope: i64,
     id_after: Vec<u8>,
+    /// The records phase's cursor: the next scope to look at.
+    rec_scope: i64,
     pass: PruneReport,
 }
 
@@ -446,6 +474,7 @@ const NO_RULES: ScopeRules = ScopeRules {
         expired: ExpiredPolicy::Quarantine,
         clock_skew: Duration::ZERO,
         first_sequence: None,
+        records: None,
     },
     pruned_before: None,
 };
@@ -488,7 +517,7 @@ fn load_clock_seen(conn: &Connection) -> Result<i64> {
 fn load_rules(conn: &Connection) -> Result<HashMap<i64, ScopeRules>> {
     let mut stmt = conn.prepare_cached(
         "SELECT scope_id, processed_payload_age, dead_letter_age, identity_horizon, expired, clock_skew, \
-         watermarks, first_sequence, pruned_before FROM retention",
+         watermarks, first_sequence, pruned_before, record_age FROM retention",
     )?;
     let rows = stmt.query_map([], |r| {
         let secs = |v: Option<i64>| v.map(|s| Duration::from_secs(s.max(0) as u64));
@@ -499,6 +528,7 @@ fn load_rules(conn: &Connection) -> Result<HashMap<i64, ScopeRules>> {
             expired: ExpiredPolicy::from_sql(r.get(4)?),
             clock_skew: Duration::from_secs(r.get::<_, i64>(5)?.max(0) as u64),
             first_sequence: (r.get::<_, i64>(6)? == 1).then_some(r.get::<_, i64>(7)?.max(0) as u64),
+            records: secs(r.get(9)?),
         };
         Ok((
             r.get::<_, i64>(0)?,
@@ -515,7 +545,7 @@ fn load_rules(conn: &Connection) -> Result<HashMap<i64, ScopeRules>> {
 /// scope's identity horizon pruned. `None`: go on as new. Costs no query unless the delivery is flagged.
 #[inline]
 pub(crate) fn check_new_identity(
-    conn: &Connection,
+    conn: &Db,
     d: &Delivery<'_>,
     id_hash: &IdHash,
     scope_id: i64,
@@ -556,7 +586,7 @@ pub(crate) fn sent_before_horizon(d: &Delivery<'_>, rules: &ScopeRules) -> bool 
 /// repeat one recorded by an identity row before the scope took watermarks.
 #[cold]
 pub(crate) fn check_new_sequence(
-    conn: &Connection,
+    conn: &Db,
     d: &Delivery<'_>,
     scope_id: i64,
     now: i64,
@@ -586,7 +616,7 @@ pub(crate) fn processes_expired(rules: &ScopeRules) -> bool {
 #[cold]
 #[allow(clippy::too_many_arguments)]
 fn expired(
-    conn: &Connection,
+    conn: &Db,
     d: &Delivery<'_>,
     id_hash: Option<&IdHash>,
     scope_id: i64,
@@ -617,16 +647,17 @@ fn expired(
             "message id {:?} (producer {:?}) sent at {sent_at}, before the pruned identity horizon ({pruned_before})",
             d.message_id, d.producer
         );
-        conn.prepare_cached(
-            "INSERT INTO quarantine (scope_id, topic, payload, reason, at) VALUES (?1, ?2, ?3, ?4, ?5)",
-        )?
-        .execute((scope_id, d.topic, d.payload, &reason, now))?;
-        let id = conn.last_insert_rowid();
-        conn.prepare_cached(
-            "UPDATE scope_stats SET quarantined = quarantined + 1 WHERE scope_id = ?1",
-        )?
-        .execute([scope_id])?;
-        Some(id)
+        // The record of this identity and content (a numbered delivery has no identity row to undo).
+        let identity = id_hash.copied().unwrap_or_else(|| d.id_hash(&conn.id_key));
+        let record = crate::store::records::Quarantine {
+            scope_id,
+            identity: Some(&identity),
+            topic: d.topic,
+            payload: d.payload,
+            reason: &reason,
+            max_topic: usize::MAX,
+        };
+        Some(crate::store::records::quarantine(conn, &conn.id_key, &record, now)?.0)
     } else {
         None
     };

@@ -138,7 +138,10 @@ impl Inbox {
     }
 
     fn prune_phase(&mut self, opts: &Pruning, now: i64, report: &mut PruneReport) -> Result<()> {
-        if matches!(self.retention.phase, Phase::Messages | Phase::Identities) {
+        if matches!(
+            self.retention.phase,
+            Phase::Messages | Phase::Identities | Phase::Records
+        ) {
             // Ages are only judged on a time that can be right (a gateway without a real-time clock boots at
             // 1970; a bad time source can jump years ahead).
             let jump = if opts.trust_clock || opts.as_of.is_some() {
@@ -158,6 +161,7 @@ impl Inbox {
         match self.retention.phase {
             Phase::Messages => self.prune_messages(opts, now, report)?,
             Phase::Identities => self.prune_identities(opts, now, report)?,
+            Phase::Records => self.prune_records(opts, now, report)?,
             Phase::Vacuum => {
                 let freed = vacuum_step(&self.conn, opts.vacuum_pages)?;
                 report.pages_reclaimed = freed;
@@ -340,7 +344,7 @@ impl Inbox {
         // This connection wrote pruned_before or clock_seen itself: data_version does not see that.
         self.retention.invalidate();
         let Some((scope_id, upper, days, restamped)) = step else {
-            self.retention.phase = Phase::Vacuum;
+            self.retention.phase = Phase::Records;
             return Ok(());
         };
         report.identities_restamped += restamped;
@@ -394,11 +398,11 @@ fn store_policy(
     let secs = |d: Option<Duration>| d.map(|d| d.as_secs().min(i64::MAX as u64) as i64);
     conn.prepare_cached(
         "INSERT INTO retention (scope_id, processed_payload_age, dead_letter_age, identity_horizon, expired, \
-         clock_skew, watermarks, first_sequence) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
+         clock_skew, watermarks, first_sequence, record_age) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9) \
          ON CONFLICT (scope_id) DO UPDATE SET processed_payload_age = excluded.processed_payload_age, \
          dead_letter_age = excluded.dead_letter_age, identity_horizon = excluded.identity_horizon, \
          expired = excluded.expired, clock_skew = excluded.clock_skew, watermarks = excluded.watermarks, \
-         first_sequence = excluded.first_sequence",
+         first_sequence = excluded.first_sequence, record_age = excluded.record_age",
     )?
     .execute((
         scope_id,
@@ -409,6 +413,7 @@ fn store_policy(
         policy.clock_skew.as_secs().min(i64::MAX as u64) as i64,
         policy.first_sequence.is_some() as i64,
         policy.first_sequence.unwrap_or(1).min(i64::MAX as u64) as i64,
+        secs(policy.records),
     ))?;
     Ok(())
 }

@@ -8,6 +8,7 @@ pub(crate) mod error;
 pub(crate) mod files;
 pub(crate) mod identity;
 pub(crate) mod outcome;
+pub(crate) mod records;
 pub(crate) mod schema;
 pub(crate) mod state;
 pub(crate) mod txn;

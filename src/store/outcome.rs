@@ -63,8 +63,10 @@ pub enum Outcome {
 pub enum SequenceConflictCause {
     /// The sequence was claimed by another message id: a restarted or duplicated producer.
     OtherMessage,
-    /// The sequence is at or below the high-water mark, older than the window of recent sequences whose
-    /// identities are kept, so the inbox cannot tell a redelivery from a reused number.
+    /// The sequence is claimed but no identity is kept for it: at or below the high-water mark and older than
+    /// the window of recent sequences whose identities are kept, or claimed by a repeat of an already known
+    /// message id (which keeps the one row of its first sequence). The inbox cannot tell a redelivery from a
+    /// reused number.
     BelowWindow,
 }
 

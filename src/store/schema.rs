@@ -13,27 +13,90 @@ use crate::store::error::{extended_code, Error, Result};
 pub(crate) const SCHEMA: &str = include_str!("../../schema.sql");
 
 /// Version of the schema in `schema.sql` that this build creates and reads, stored in `PRAGMA user_version`.
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
+
+/// One forward migration: SQL, or code for what SQL cannot do.
+enum Migration {
+    Sql(&'static str),
+    Code(fn(&Connection) -> rusqlite::Result<()>),
+}
 
 /// Forward migrations: `MIGRATIONS[i]` takes a database from version `i + 1` to `i + 2`.
 /// They run in one transaction together with the `user_version` bump.
-const MIGRATIONS: &[&str] = &[
+const MIGRATIONS: &[Migration] = &[
     // 1 -> 2: keyed identity hashes (this file keeps its unkeyed ones: id_key NULL), sequence windows, clock
     // bookkeeping.
-    "CREATE TABLE inbox_meta (name TEXT PRIMARY KEY, value) WITHOUT ROWID; \
+    Migration::Sql(
+        "CREATE TABLE inbox_meta (name TEXT PRIMARY KEY, value) WITHOUT ROWID; \
      INSERT INTO inbox_meta (name, value) VALUES ('id_key', NULL); \
      INSERT INTO inbox_meta (name, value) SELECT 'created_at', min(created_at) FROM scopes; \
      ALTER TABLE scope_stats ADD COLUMN sequence_conflicts INTEGER NOT NULL DEFAULT 0; \
      ALTER TABLE scope_stats ADD COLUMN identities_restamped INTEGER NOT NULL DEFAULT 0; \
      CREATE TABLE watermark_recent (scope_id INTEGER NOT NULL, producer TEXT NOT NULL, sequence INTEGER NOT NULL, \
        id_hash BLOB NOT NULL, fingerprint INTEGER NOT NULL, PRIMARY KEY (scope_id, producer, sequence)) WITHOUT ROWID;",
+    ),
     // 2 -> 3: the strong case stops counting what it processes (its new identity rows are the count); every
     // identity row already there is accounted for in `processed`, so it all goes into the offset.
-    "ALTER TABLE scope_stats ADD COLUMN identity_offset INTEGER NOT NULL DEFAULT 0; \
+    Migration::Sql(
+        "ALTER TABLE scope_stats ADD COLUMN identity_offset INTEGER NOT NULL DEFAULT 0; \
      UPDATE scope_stats SET identity_offset = (SELECT count(*) FROM identities i WHERE i.scope_id = scope_stats.scope_id);",
+    ),
+    // 3 -> 4: bounded, deduplicated quarantine and conflict records, their retention, and message ids
+    // recognised under any sequence in the watermark window.
+    Migration::Code(migrate_3_to_4),
 ];
 
 const _: () = assert!(MIGRATIONS.len() as i64 == SCHEMA_VERSION - 1);
+
+/// Schema 3 -> 4.
+///
+/// - `conflicts`: rows of the same (scope, identity, received content) merge into one, its `arrivals` the number
+///   of rows, `at` the first and `last_at` the last; `conflict_records` starts at the merged row count.
+/// - `quarantine`: every row becomes a bounded record (payload cut to its first `QUARANTINE_PREFIX` bytes, full
+///   length and xxh3-128 kept, see `store::records`), with no record key: old rows are never merged with new
+///   arrivals (their identity, if they had one, is not known). `quarantine_records` starts at the row count.
+/// - `watermark_recent`: where one message id held several sequences (the defect this version fixes), only its
+///   highest sequence keeps its row, so the new UNIQUE index on the id can be built; a later delivery on one of
+///   the other sequences is compared with nothing and quarantined (`below-window`), never applied twice.
+/// - `retention.record_age` (NULL: keep records forever, as before).
+///
+/// The counters `conflicts` and `quarantined` keep their figures (arrivals).
+fn migrate_3_to_4(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "CREATE TABLE conflicts_v4 (id INTEGER PRIMARY KEY, scope_id INTEGER NOT NULL, id_hash BLOB NOT NULL, \
+           producer TEXT, message_id TEXT NOT NULL, topic TEXT NOT NULL, stored_fingerprint INTEGER NOT NULL, \
+           received_fingerprint INTEGER NOT NULL, at INTEGER NOT NULL, last_at INTEGER NOT NULL, \
+           arrivals INTEGER NOT NULL DEFAULT 1); \
+         INSERT INTO conflicts_v4 (id, scope_id, id_hash, producer, message_id, topic, stored_fingerprint, \
+           received_fingerprint, at, last_at, arrivals) \
+           SELECT min(id), scope_id, id_hash, producer, message_id, topic, stored_fingerprint, received_fingerprint, \
+           min(at), max(at), count(*) FROM conflicts GROUP BY scope_id, id_hash, received_fingerprint; \
+         DROP TABLE conflicts; \
+         ALTER TABLE conflicts_v4 RENAME TO conflicts; \
+         CREATE UNIQUE INDEX conflicts_by_content ON conflicts (scope_id, id_hash, received_fingerprint); \
+         CREATE INDEX conflicts_by_age ON conflicts (scope_id, last_at); \
+         CREATE TABLE quarantine_v4 (id INTEGER PRIMARY KEY, scope_id INTEGER, record_key BLOB, topic TEXT NOT NULL, \
+           payload BLOB NOT NULL, payload_len INTEGER NOT NULL, payload_hash BLOB NOT NULL, reason TEXT NOT NULL, \
+           at INTEGER NOT NULL, last_at INTEGER NOT NULL, arrivals INTEGER NOT NULL DEFAULT 1);",
+    )?;
+    crate::store::records::migrate_quarantine_v3(conn)?;
+    conn.execute_batch(
+        "DROP TABLE quarantine; \
+         ALTER TABLE quarantine_v4 RENAME TO quarantine; \
+         CREATE UNIQUE INDEX quarantine_by_key ON quarantine (scope_id, record_key); \
+         CREATE INDEX quarantine_by_age ON quarantine (scope_id, last_at); \
+         ALTER TABLE scope_stats ADD COLUMN conflict_records INTEGER NOT NULL DEFAULT 0; \
+         ALTER TABLE scope_stats ADD COLUMN quarantine_records INTEGER NOT NULL DEFAULT 0; \
+         UPDATE scope_stats SET \
+           conflict_records = (SELECT count(*) FROM conflicts c WHERE c.scope_id = scope_stats.scope_id), \
+           quarantine_records = (SELECT count(*) FROM quarantine q WHERE q.scope_id = scope_stats.scope_id); \
+         ALTER TABLE retention ADD COLUMN record_age INTEGER; \
+         DELETE FROM watermark_recent AS w WHERE EXISTS (SELECT 1 FROM watermark_recent o \
+           WHERE o.scope_id = w.scope_id AND o.id_hash = w.id_hash \
+           AND o.sequence > w.sequence); \
+         CREATE UNIQUE INDEX watermark_recent_by_id ON watermark_recent (scope_id, id_hash);",
+    )
+}
 
 /// Opens (creating if needed) the inbox database at `path` for reading and writing.
 pub(crate) fn open(path: &Path, config: &Config) -> Result<Connection> {
@@ -272,7 +335,10 @@ fn install_or_migrate(conn: &Connection) -> Result<()> {
                 "migrating inbox schema from version {version} to {}",
                 version + 1
             );
-            conn.execute_batch(MIGRATIONS[(version - 1) as usize])?;
+            match &MIGRATIONS[(version - 1) as usize] {
+                Migration::Sql(sql) => conn.execute_batch(sql)?,
+                Migration::Code(f) => f(conn)?,
+            }
             version += 1;
         }
         conn.execute_batch(&format!("PRAGMA user_version = {version}; COMMIT;"))?;

@@ -85,8 +85,10 @@ impl<'a> Tx<'a> {
     }
 
     /// The SQLite connection, inside the open transaction, for the application's own tables.
-    /// Errors from it that mean storage trouble (busy, full, I/O, read-only) fail the whole batch as an
-    /// [`Error`]; other errors returned by the handler (a constraint of your own, say) are handler failures.
+    /// Storage trouble met on it (busy, full, I/O, read-only) fails the whole batch as an [`Error`], known by the
+    /// connection's own last result code when the handler returns (so run nothing more on it after such an
+    /// error: return it). Other errors the handler returns (a constraint of your own, or any error of another
+    /// database the handler opened itself) are handler failures.
     ///
     /// No statement run through it can commit on its own: if SQLite rolls the transaction back (an I/O
     /// error, a trigger's `RAISE(ROLLBACK)`, `INSERT OR ROLLBACK`), later statements would run in

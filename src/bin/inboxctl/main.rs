@@ -275,7 +275,7 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             let rows = inspect::conflicts(&read_only(path)?, l.scope.as_deref(), l.limit)?;
             listing(cli, &rows, |c| {
                 format!(
-                    "#{} {} {}{} topic {:?}: committed {} received {} at {}",
+                    "#{} {} {}{} topic {:?}: committed {} received {} at {}{}",
                     c.id,
                     c.scope,
                     producer_prefix(c.producer.as_deref()),
@@ -283,7 +283,8 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
                     c.topic,
                     c.stored_fingerprint,
                     c.received_fingerprint,
-                    times::rfc3339(c.at)
+                    times::rfc3339(c.at),
+                    arrivals(c.arrivals, c.last_at)
                 )
             })
         }
@@ -291,12 +292,13 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             let rows = inspect::quarantine(&read_only(path)?, l.scope.as_deref(), l.limit)?;
             listing(cli, &rows, |q| {
                 format!(
-                    "#{} {} topic {:?} ({} bytes) at {}: {}",
+                    "#{} {} topic {:?} ({} bytes) at {}{}: {}",
                     q.id,
                     q.scope.as_deref().unwrap_or("-"),
                     q.topic,
                     q.payload_bytes,
                     times::rfc3339(q.at),
+                    arrivals(q.arrivals, q.last_at),
                     q.reason
                 )
             })
@@ -394,8 +396,16 @@ fn stats_text(doc: &StatsDoc) -> String {
         let _ = writeln!(out, "scope {}", s.scope);
         let _ = writeln!(
             out,
-            "  processed {}  duplicates {}  conflicts {}  handler failures {}  quarantined {}  expired {}",
-            s.processed, s.duplicates, s.conflicts, s.handler_failures, s.quarantined, s.expired
+            "  processed {}  duplicates {}  conflicts {} ({} records)  handler failures {}  quarantined {} ({} records)  \
+             expired {}",
+            s.processed,
+            s.duplicates,
+            s.conflicts,
+            s.conflict_records,
+            s.handler_failures,
+            s.quarantined,
+            s.quarantine_records,
+            s.expired
         );
         let _ = writeln!(
             out,
@@ -537,6 +547,15 @@ fn requeue(
     Ok(ExitCode::SUCCESS)
 }
 
+/// `, N arrivals, last at T` for a record that arrived more than once.
+fn arrivals(n: u64, last_at: i64) -> String {
+    if n > 1 {
+        format!(", {n} arrivals, last at {}", times::rfc3339(last_at))
+    } else {
+        String::new()
+    }
+}
+
 #[derive(Serialize)]
 struct PruneDoc {
     applied: bool,
@@ -558,6 +577,8 @@ struct Pruned {
     payloads: u64,
     dead_letters: u64,
     identities: u64,
+    quarantine_records: u64,
+    conflict_records: u64,
     pages_reclaimed: u64,
     steps: u64,
 }
@@ -595,6 +616,8 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
             payloads: 0,
             dead_letters: 0,
             identities: 0,
+            quarantine_records: 0,
+            conflict_records: 0,
             pages_reclaimed: 0,
             steps: 0,
         };
@@ -614,6 +637,8 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
             total.payloads += step.payloads_pruned;
             total.dead_letters += step.dead_letters_pruned;
             total.identities += step.identities_pruned;
+            total.quarantine_records += step.quarantine_pruned;
+            total.conflict_records += step.conflicts_pruned;
             total.pages_reclaimed += step.pages_reclaimed;
             total.steps += step.steps;
             progress.set_position(total.payloads + total.dead_letters + total.identities);
@@ -644,8 +669,13 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
     }
     for d in &doc.due {
         println!(
-            "scope {}: {} processed payloads, {} dead letters, {} identities due",
-            d.scope, d.payloads_due, d.dead_letters_due, d.identities_due
+            "scope {}: {} processed payloads, {} dead letters, {} identities, {} quarantine and {} conflict records due",
+            d.scope,
+            d.payloads_due,
+            d.dead_letters_due,
+            d.identities_due,
+            d.quarantine_due,
+            d.conflicts_due
         );
     }
     if doc.due.is_empty() {
@@ -657,8 +687,15 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
              --as-of if it is)"
         ),
         Some(p) => println!(
-            "pruned {} payloads, {} dead letters, {} identities; {} pages reclaimed in {} steps",
-            p.payloads, p.dead_letters, p.identities, p.pages_reclaimed, p.steps
+            "pruned {} payloads, {} dead letters, {} identities, {} quarantine and {} conflict records; {} pages \
+             reclaimed in {} steps",
+            p.payloads,
+            p.dead_letters,
+            p.identities,
+            p.quarantine_records,
+            p.conflict_records,
+            p.pages_reclaimed,
+            p.steps
         ),
         None if doc.clock_refused => println!(
             "dry run as of {}: nothing deleted; --apply would be refused (the clock cannot be right)",

@@ -25,14 +25,26 @@ const SCOPE_FAMILIES: &[(&str, &str, &str, Figure)] = &[
     (
         "edge_inbox_conflicts_total",
         "counter",
-        "Deliveries that reused a committed id with different content (recorded, not applied).",
+        "Arrivals of deliveries that reused a committed id with different content (recorded, not applied), redeliveries included.",
         |s| Some(s.conflicts),
+    ),
+    (
+        "edge_inbox_conflict_records_total",
+        "counter",
+        "Distinct conflict records made, one per identity and received content.",
+        |s| Some(s.conflict_records),
     ),
     (
         "edge_inbox_quarantined_total",
         "counter",
-        "Deliveries quarantined (no id, malformed, over a limit, expired).",
+        "Arrivals of quarantined deliveries (no id, malformed, over a limit, expired), redeliveries included.",
         |s| Some(s.quarantined),
+    ),
+    (
+        "edge_inbox_quarantine_records_total",
+        "counter",
+        "Distinct quarantine records made, one per distinct delivery.",
+        |s| Some(s.quarantine_records),
     ),
     (
         "edge_inbox_pending",
