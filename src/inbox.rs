@@ -75,6 +75,7 @@ impl Inbox {
         conn.outbox = OutboxSettings::from_config(&config);
         conn.id_key = schema::id_key(&conn)?;
         conn.slow_commit = config.slow_commit;
+        conn.wear = crate::store::wear::Wear::install(&conn, config.wal_autocheckpoint.into());
         Ok(Inbox {
             conn,
             config,

@@ -524,7 +524,7 @@ pub use crate::deferred::requeue::DeadLetter;
 pub use crate::deferred::worker::{Claim, Completion, Drained, Worker, WorkerConfig};
 pub use crate::inbox::{Handler, Inbox};
 pub use crate::inspect::stats::ScopeStats;
-pub use crate::inspect::{FileSizes, ScopeReport};
+pub use crate::inspect::{BytesWritten, FileSizes, ScopeReport};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::conn::{MqttConfig, Protocol, Tls};
 #[cfg(feature = "mqtt")]

@@ -29,6 +29,7 @@ pub(crate) fn begin(conn: &Db) -> Result<()> {
 /// full disk leave nothing committed; any other failure (I/O above all) leaves the outcome unknown.
 pub(crate) fn commit(conn: &Db) -> Result<()> {
     let started = conn.slow_commit.map(|_| std::time::Instant::now());
+    let staged = conn.wear.stage(conn);
     conn.commit_raw().map_err(|e| {
         let code = extended_code(&e).unwrap_or(-1);
         match code & 0xff {
@@ -42,6 +43,9 @@ pub(crate) fn commit(conn: &Db) -> Result<()> {
             }
         }
     })?;
+    if let Some(staged) = staged {
+        conn.wear.saved(staged);
+    }
     if let (Some(started), Some(threshold)) = (started, conn.slow_commit) {
         let took = started.elapsed();
         if took >= threshold {
