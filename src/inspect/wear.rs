@@ -23,9 +23,10 @@ use crate::store::wear::{CHECKPOINT_BYTES, WAL_BYTES};
 pub struct BytesWritten {
     /// WAL frames (page plus frame header) appended by commits: exact for each connection.
     pub wal_bytes: u64,
-    /// Pages copied from the WAL into the database file by the inbox's automatic checkpoints, counted as SQLite
-    /// reports them (frames backfilled): a page changed in several frames of one WAL is written once, so this
-    /// is an upper bound of those writes. Checkpoints run outside the inbox's automatic one (retention's WAL
+    /// Bytes the inbox's automatic checkpoints wrote into the database file: on Linux what the kernel
+    /// accounted to the checkpointing thread (`write_bytes`, whole 4 KiB pages of the page cache, which is what
+    /// reaches the device); elsewhere the pages SQLite backfilled, an upper bound (a page changed in several
+    /// frames of one WAL is written once). Checkpoints run outside the inbox's automatic one (retention's WAL
     /// truncation, the last connection closing) are not counted.
     pub checkpoint_bytes: u64,
 }

@@ -90,7 +90,7 @@ const WRITTEN_FAMILIES: &[(&str, &str, Written)] = &[
     ),
     (
         "edge_inbox_checkpoint_written_bytes_total",
-        "Bytes the inbox's checkpoints copied into the database file over the file's life (an upper bound, as last saved).",
+        "Bytes the inbox's automatic checkpoints wrote into the database file over the file's life (as last saved).",
         |w| w.checkpoint_bytes,
     ),
 ];
