@@ -105,13 +105,16 @@ impl Wear {
         self.save_due.set(false);
     }
 
-    /// Saves what is left in a transaction of its own (the connection is closing). Best effort: a busy or
-    /// failing database loses these counts, which only makes the cumulative figure a little low.
+    /// Saves what is left in a transaction of its own (the connection is closing). Best effort: a database
+    /// busy for more than 100 ms, or failing, loses these counts, which only makes the cumulative figure low.
     pub(crate) fn save_on_close(&self, conn: &Connection) {
         let w = self.unsaved();
         if w == Written::default() || !conn.is_autocommit() {
             return;
         }
+        // The connection is closing: a short wait for the write lock instead of the configured busy
+        // timeout (this replaces the inbox's busy handler, which nothing needs any more).
+        let _ = conn.busy_timeout(std::time::Duration::from_millis(100));
         let r = conn
             .execute_batch("BEGIN IMMEDIATE")
             .and_then(|()| add_to_meta(conn, w))
