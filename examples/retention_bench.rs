@@ -19,6 +19,9 @@ use std::time::{Duration, Instant};
 
 use edge_inbox::{Config, Delivery, Inbox, Pruning, RetentionPolicy, Synchronous, Tx};
 
+#[path = "support/field_vfs.rs"]
+mod field_vfs;
+
 /// Retention benchmark: space per identity, watermark space, commit latency while a prune runs.
 #[derive(clap::Parser)]
 #[command(name = "retention_bench")]
@@ -41,10 +44,22 @@ struct Args {
     /// Rows per prune step (default: `Pruning::default()`).
     #[arg(long, value_name = "ROWS")]
     batch: Option<usize>,
+    /// Field storage: add this many milliseconds to every sync (SD card, eMMC), through a VFS that wraps the
+    /// platform's.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    sync_delay_ms: u64,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = <Args as clap::Parser>::parse();
+    // Before any database opens: every connection goes through it.
+    field_vfs::install(Duration::from_millis(args.sync_delay_ms));
+    if args.sync_delay_ms > 0 {
+        println!(
+            "Field storage: every sync takes {} ms more (simulated).",
+            args.sync_delay_ms
+        );
+    }
     let small = args.small;
     let div = match args.divide {
         Some(n) => n as usize,

@@ -24,6 +24,9 @@ use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{Client, Event, MqttOptions};
 
+#[path = "support/field_vfs.rs"]
+mod field_vfs;
+
 const SCOPE: &str = "soak";
 /// The broker's and the publisher's window: the publisher floods, the consumer's own window limits it.
 const WINDOW: u16 = 200;
@@ -47,6 +50,10 @@ struct Args {
     /// The consumer's batch size; default: `Consumer`'s (64, capped at the window).
     #[arg(long, value_name = "N")]
     batch: Option<usize>,
+    /// Field storage: add this many milliseconds to every sync (SD card, eMMC), through a VFS that wraps the
+    /// platform's.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    sync_delay_ms: u64,
     /// Internal: run as the publisher process against this port.
     #[arg(long, hide = true)]
     publish: Option<u16>,
@@ -206,6 +213,9 @@ fn main() -> anyhow::Result<()> {
         return publish(port, args.count, args.rate);
     }
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    // Before any database opens: every connection goes through it (bytes are counted always).
+    field_vfs::install(Duration::from_millis(args.sync_delay_ms));
+    let written = field_vfs::Written::now();
     let deadline = Instant::now() + Duration::from_secs(args.minutes * 60);
     let repeats = plan(args.count).filter(|(_, r)| *r).count() as u64;
     let distinct = args.count - repeats;
@@ -407,6 +417,18 @@ fn main() -> anyhow::Result<()> {
         status_kib(None, "RssShmem:"),
         sqlite_now / 1024,
         sqlite_peak / 1024
+    );
+    let w = field_vfs::Written::now().since(written);
+    let deliveries = (s.processed + s.duplicates).max(1);
+    let (wal, dbw, block) = w.per(deliveries);
+    let counted = inbox.bytes_written()?;
+    println!(
+        "written per delivery (sync +{} ms): WAL {wal:.0} B, database file {dbw:.0} B, block layer {block:.0} B, \
+         {:.3} syncs (consumer and pruner); the inbox counted {} B of WAL and {} B of checkpoints in all",
+        args.sync_delay_ms,
+        w.syncs as f64 / deliveries as f64,
+        counted.wal_bytes,
+        counted.checkpoint_bytes
     );
     println!(
         "identities retained {}; database {} bytes, WAL {} bytes; prune passes {}",

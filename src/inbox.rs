@@ -79,6 +79,7 @@ impl Inbox {
         conn.id_key = schema::id_key(&conn)?;
         conn.slow_commit = config.slow_commit;
         conn.path = path.to_owned();
+        conn.wear = crate::store::wear::Wear::install(&conn, config.wal_autocheckpoint.into());
         Ok(Inbox {
             conn,
             config,

@@ -179,6 +179,16 @@
 //! counters, watermarks and outbox consistent; with `NORMAL` most cuts lose the deliveries acknowledged since
 //! the WAL's last sync (a checkpoint's), and only those.
 //!
+//! ## Flash wear
+//!
+//! [`Inbox::bytes_written`] tells the bytes the inbox wrote over the file's life ([`BytesWritten`]: WAL
+//! frames, and what its checkpoints wrote into the database file), counted at no cost per commit through
+//! SQLite's WAL hook; installing that hook replaces SQLite's automatic checkpoint, so the inbox runs it itself
+//! at [`Config::wal_autocheckpoint`]. A handler that sets `PRAGMA wal_autocheckpoint` or its own WAL hook on
+//! the connection replaces the inbox's and stops the counting. The counts are saved in the file after each
+//! checkpoint and at close (`inboxctl stats` reads them), so they lag by a WAL's worth at most; the eMMC's own
+//! wear figures come from [`inspect::device_wear`]. [`Config::page_size`] sets the page size of a new file.
+//!
 //! ## Resolving an unknown commit
 //!
 //! When `COMMIT` fails with an I/O error the transaction may or may not be on disk
@@ -592,7 +602,7 @@ pub use crate::deferred::requeue::DeadLetter;
 pub use crate::deferred::worker::{Claim, Completion, Drained, Worker, WorkerConfig};
 pub use crate::inbox::{Handler, Inbox};
 pub use crate::inspect::stats::ScopeStats;
-pub use crate::inspect::{FileSizes, ScopeReport};
+pub use crate::inspect::{BytesWritten, FileSizes, ScopeReport};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::conn::{MqttConfig, Protocol, Tls};
 #[cfg(feature = "mqtt")]

@@ -600,7 +600,7 @@ fn stats_in_prometheus_format_carry_the_json_figures() {
         assert!(want > 0, "{field}");
         assert_eq!(*value, want as f64, "{family}");
     }
-    assert_eq!(parsed.len(), 11 * 3 - 2 + 2, "every sample accounted for");
+    assert_eq!(parsed.len(), 11 * 3 - 2 + 2 + 2, "every sample accounted for");
     assert_eq!(text.matches("# TYPE ").count(), 13, "one family per figure");
 
     // --json and --format disagreeing is a usage error.
@@ -887,4 +887,142 @@ fn export_output_file_is_private_replaced_whole_and_never_written_through_a_syml
         ["link.jsonl", "messages.jsonl", "old.jsonl"],
         "no temporary file left"
     );
+}
+
+/// A sysfs tree with an eMMC partition for the device `path` lives on, as Linux lays it out.
+fn fake_sysfs(root: &Path, path: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(path).unwrap().dev();
+    let major = ((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0x0fff);
+    let minor = ((dev >> 12) & 0xffff_ff00) | (dev & 0xff);
+    let disk = root.join("devices/platform/mmc1/mmc_host/mmc1/mmc1:0001/block/mmcblk1");
+    let part = disk.join("mmcblk1p1");
+    std::fs::create_dir_all(&part).unwrap();
+    std::fs::write(part.join("partition"), "1\n").unwrap();
+    std::fs::create_dir_all(disk.join("device")).unwrap();
+    std::fs::write(disk.join("device/life_time"), "0x01 0x03\n").unwrap();
+    std::fs::write(disk.join("device/pre_eol_info"), "0x01\n").unwrap();
+    std::fs::create_dir_all(root.join("dev/block")).unwrap();
+    std::os::unix::fs::symlink(&part, root.join(format!("dev/block/{major}:{minor}"))).unwrap();
+}
+
+fn stats_with_sysfs(db: &Path, sysfs: &Path, args: &[&str]) -> String {
+    let exe = env!("CARGO_BIN_EXE_inboxctl");
+    let out = common::through_runner(Path::new(exe))
+        .env_remove("EDGE_INBOX_DB")
+        .env("EDGE_INBOX_SYSFS", sysfs)
+        .arg("--db")
+        .arg(db)
+        .args(args)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn stats_show_the_bytes_written_and_the_devices_wear() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = Inbox::open(&path, Config::default().wal_autocheckpoint(10)).unwrap();
+    for i in 0..40 {
+        let id = format!("evt-{i}");
+        let d = Delivery::new(SCOPE, &id, "orders/1", b"{}");
+        assert!(matches!(
+            inbox.process(&d, bump).unwrap(),
+            Outcome::Processed
+        ));
+    }
+    let w = inbox.bytes_written().unwrap();
+    assert!(w.wal_bytes > 0 && w.checkpoint_bytes > 0, "{w:?}");
+    drop(inbox);
+
+    let doc = json(&path, &["stats"]);
+    assert_eq!(
+        doc["bytes_written"]["wal_bytes"].as_u64(),
+        Some(w.wal_bytes)
+    );
+    assert_eq!(
+        doc["bytes_written"]["checkpoint_bytes"].as_u64(),
+        Some(w.checkpoint_bytes)
+    );
+    let text = ok(&path, &["stats"]);
+    let line = format!(
+        "written over the file's life: WAL {} bytes, checkpoints {} bytes, total {} bytes",
+        w.wal_bytes,
+        w.checkpoint_bytes,
+        w.total()
+    );
+    assert!(text.contains(&line), "{text}");
+    let prom = parse(&ok(&path, &["stats", "--format", "prometheus"]));
+    for (family, want) in [
+        ("edge_inbox_wal_written_bytes_total", w.wal_bytes),
+        (
+            "edge_inbox_checkpoint_written_bytes_total",
+            w.checkpoint_bytes,
+        ),
+    ] {
+        let s = sample(&prom, family, None).unwrap_or_else(|| panic!("{family}"));
+        assert_eq!(s.kind, PrometheusType::Counter);
+        assert_eq!(s.value, want as f64, "{family}");
+    }
+
+    // This machine's disk reports no eMMC wear (the test runs where it does not): nothing is shown.
+    if edge_inbox::inspect::device_wear(&path).is_none() {
+        assert!(doc.get("device").is_none(), "{doc}");
+        assert!(!text.contains("device "), "{text}");
+        assert!(!prom
+            .iter()
+            .any(|s| s.family.starts_with("edge_inbox_device_")));
+    }
+
+    // An eMMC device, staged in a sysfs tree of its own.
+    let sys = tempfile::tempdir().unwrap();
+    fake_sysfs(sys.path(), &path);
+    let doc: serde_json::Value =
+        serde_json::from_str(&stats_with_sysfs(&path, sys.path(), &["--json", "stats"])).unwrap();
+    assert_eq!(
+        doc["device"],
+        serde_json::json!({"device": "mmcblk1", "life_time_a": 1, "life_time_b": 3, "pre_eol_info": 1})
+    );
+    let text = stats_with_sysfs(&path, sys.path(), &["stats"]);
+    assert!(
+        text.contains(
+            "device mmcblk1: life time used 0-10% (type A), 20-30% (type B), pre-EOL normal"
+        ),
+        "{text}"
+    );
+    let prom = parse(&stats_with_sysfs(
+        &path,
+        sys.path(),
+        &["stats", "--format", "prometheus"],
+    ));
+    let life: Vec<_> = prom
+        .iter()
+        .filter(|s| s.family == "edge_inbox_device_life_time_estimate")
+        .map(|s| {
+            let t = s
+                .labels
+                .iter()
+                .find(|(k, _)| k == "type")
+                .unwrap()
+                .1
+                .clone();
+            assert!(s
+                .labels
+                .contains(&("device".to_owned(), "mmcblk1".to_owned())));
+            (t, s.value)
+        })
+        .collect();
+    assert_eq!(life, vec![("a".to_owned(), 1.0), ("b".to_owned(), 3.0)]);
+    let eol = prom
+        .iter()
+        .find(|s| s.family == "edge_inbox_device_pre_eol_info")
+        .unwrap();
+    assert_eq!(eol.value, 1.0);
 }

@@ -80,10 +80,23 @@ pub fn open_plain(path: &Path, sync: Sync, ddl: &str) -> rusqlite::Result<Connec
     Ok(conn)
 }
 
+static INBOX_CONFIG: std::sync::OnceLock<Config> = std::sync::OnceLock::new();
+
+/// Sets the configuration every benchmark inbox opens with (once, before the first; default
+/// `Config::default()`).
+pub fn set_inbox_config(config: Config) {
+    let _ = INBOX_CONFIG.set(config);
+}
+
+/// The configuration benchmark inboxes open with.
+pub fn inbox_config() -> Config {
+    INBOX_CONFIG.get().cloned().unwrap_or_default()
+}
+
 /// Opens an inbox; `Sync::Off` is applied on the inbox's connection after opening (the inbox itself never
 /// offers it: only instruction counts use it).
 pub fn open_inbox(path: &Path, sync: Sync) -> anyhow::Result<Inbox> {
-    let inbox = Inbox::open(path, Config::default())?;
+    let inbox = Inbox::open(path, inbox_config())?;
     if sync == Sync::Off {
         inbox
             .connection()

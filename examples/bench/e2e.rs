@@ -7,12 +7,13 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use edge_inbox::{Config, Consumer, Delivery, Inbox, MqttConfig, Tx};
+use edge_inbox::{Consumer, Delivery, Inbox, MqttConfig, Tx};
 use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{Client, Event, MqttOptions};
 use rumqttc::Outgoing;
 
+use super::field_vfs::Written;
 use super::table::{median, SLICES_E2E};
 use super::PAYLOAD;
 
@@ -233,6 +234,8 @@ struct E2eContender {
     /// CPU ticks of timed slices: this process (publisher, consumer, SQLite) and the broker.
     cpu_self: u64,
     cpu_broker: u64,
+    /// Bytes written during timed slices.
+    written: Written,
 }
 
 impl E2eContender {
@@ -241,7 +244,7 @@ impl E2eContender {
             E2eRow::Bare => None,
             E2eRow::Inbox(_) | E2eRow::Core(_) => Some(Inbox::open(
                 dir.join(format!("e2e-{}-{round}.db", row.tag())),
-                Config::default(),
+                super::inbox_config(),
             )?),
         };
         Ok(E2eContender {
@@ -255,6 +258,7 @@ impl E2eContender {
             acked: 0,
             cpu_self: 0,
             cpu_broker: 0,
+            written: Written::default(),
         })
     }
 
@@ -263,6 +267,7 @@ impl E2eContender {
         let port = broker.port;
         let broker_pid = broker.child.id().to_string();
         let cpu = (cpu_ticks("self"), cpu_ticks(&broker_pid));
+        let written = Written::now();
         let prefix = format!("{}-{}", self.client_id, self.next);
         let ids = super::ids(&prefix, len);
         self.next += len;
@@ -280,6 +285,7 @@ impl E2eContender {
                 self.timed += len;
                 self.cpu_self += cpu_ticks("self") - cpu.0;
                 self.cpu_broker += cpu_ticks(&broker_pid) - cpu.1;
+                self.written.add(Written::now().since(written));
             }
             self.acked += len as u64;
             return Ok(());
@@ -352,6 +358,7 @@ impl E2eContender {
                 self.timed += len;
                 self.cpu_self += cpu_ticks("self") - cpu.0;
                 self.cpu_broker += cpu_ticks(&broker_pid) - cpu.1;
+                self.written.add(Written::now().since(written));
             }
             Ok(acked)
         })?;
@@ -391,6 +398,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, batches: &[usize]) -> anyhow::Re
     let slice = (n / SLICES_E2E).max(1);
     let mut rates: Vec<Vec<f64>> = Vec::new();
     let mut cpus: Vec<Vec<[f64; 3]>> = Vec::new();
+    let mut bytes = vec![(Written::default(), 0u64); rows.len()];
     for round in 0..rounds {
         let mut cs = rows
             .iter()
@@ -417,6 +425,10 @@ pub fn run(dir: &Path, n: usize, rounds: usize, batches: &[usize]) -> anyhow::Re
             );
         }
         rates.push(cs.iter().map(E2eContender::rate).collect());
+        for (b, c) in bytes.iter_mut().zip(&cs) {
+            b.0.add(c.written);
+            b.1 += c.timed as u64;
+        }
         cpus.push(cs.iter().map(E2eContender::cpu).collect());
         drop(cs);
         for entry in std::fs::read_dir(dir)? {
@@ -470,6 +482,19 @@ pub fn run(dir: &Path, n: usize, rounds: usize, batches: &[usize]) -> anyhow::Re
             m(0),
             m(1),
             m(2)
+        );
+    }
+    println!(
+        "\n| bytes written per delivery (timed slices, pooled over {rounds} rounds; sync +{} ms) | WAL | database file | block layer | syncs |",
+        super::field_vfs::delay().as_millis()
+    );
+    println!("|---|---:|---:|---:|---:|");
+    for (row, (w, d)) in rows.iter().zip(&bytes) {
+        let (wal, db, block) = w.per(*d);
+        println!(
+            "| {} | {wal:.0} | {db:.0} | {block:.0} | {:.3} |",
+            row.label(),
+            w.syncs as f64 / (*d).max(1) as f64
         );
     }
     Ok(())

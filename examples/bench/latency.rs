@@ -17,12 +17,13 @@ use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use edge_inbox::{Config, Consumer, Delivery, Inbox, MqttConfig, Tx};
+use edge_inbox::{Consumer, Delivery, Inbox, MqttConfig, Tx};
 use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{Client, Event, MqttOptions};
 
 use super::e2e::{bare_consume, mosquitto_exe, Mosquitto, INFLIGHT, SLICE_DEADLINE};
+use super::field_vfs::{self, Written};
 use super::table::median;
 
 /// Loads offered, as fractions of the saturation rate.
@@ -226,7 +227,8 @@ enum Kind {
 }
 
 /// One run: a fresh consumer (and for the inbox a fresh file) takes `n` messages offered at `rate`. Returns
-/// the latencies (all but the first tenth) and the achieved rate (first publish to last PUBACK, all of them).
+/// the latencies (all but the first tenth), the achieved rate (first publish to last PUBACK, all of them)
+/// and the bytes written during the run (the whole run: opening the file, every delivery).
 fn run_one(
     dir: &Path,
     broker: &Mosquitto,
@@ -234,7 +236,8 @@ fn run_one(
     tag: &str,
     n: usize,
     rate: f64,
-) -> anyhow::Result<(Vec<Duration>, f64)> {
+) -> anyhow::Result<(Vec<Duration>, f64, Written)> {
+    let written = Written::now();
     let relay = Relay::start(broker.port)?;
     let topic = format!("bench/latency/{tag}");
     let client_id = format!("bench-latency-{tag}");
@@ -246,7 +249,8 @@ fn run_one(
                 s.spawn(move || bare_consume(port, &id, &topic, n, ready_tx).map(|_| ()))
             }
             Kind::Inbox => {
-                let inbox = Inbox::open(dir.join(format!("latency-{tag}.db")), Config::default())?;
+                let inbox =
+                    Inbox::open(dir.join(format!("latency-{tag}.db")), super::inbox_config())?;
                 let mqtt = MqttConfig::new("127.0.0.1", relay.port, &client_id)
                     .subscribe(&topic)
                     .inflight(INFLIGHT);
@@ -285,6 +289,7 @@ fn run_one(
         publish_paced(broker.port, &format!("{client_id}-pub"), &topic, n, rate)?;
         consumer.join().expect("consumer thread")
     })?;
+    let written = Written::now().since(written);
     // The last PUBACK was written before the consumer returned; give the relay a moment to read it.
     let deadline = Instant::now() + Duration::from_secs(5);
     while relay.seen.lock().unwrap().acks.len() < n && Instant::now() < deadline {
@@ -306,7 +311,7 @@ fn run_one(
         .iter()
         .map(|&(p, a)| Duration::from_nanos(a.saturating_sub(p)))
         .collect();
-    Ok((lat, achieved))
+    Ok((lat, achieved, written))
 }
 
 /// `samples` appends of 4 KiB, each followed by `fdatasync`, on a file in `dir`.
@@ -319,6 +324,7 @@ fn fsyncs(dir: &Path, samples: usize) -> anyhow::Result<Vec<Duration>> {
         let t = Instant::now();
         f.write_all(&block)?;
         f.sync_data()?;
+        field_vfs::after_sync();
         out.push(t.elapsed());
     }
     drop(f);
@@ -354,11 +360,18 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
     let mut sat: Vec<Vec<f64>> = vec![Vec::new(); 2];
     let mut offered: Vec<Vec<f64>> = vec![Vec::new(); LOADS.len()];
     let mut disk = Vec::new();
+    // [level]: bytes the inbox runs wrote, pooled over rounds, and their deliveries.
+    let mut bytes = vec![(Written::default(), 0u64); 1 + LOADS.len()];
     for round in 0..rounds {
         for (k, &kind) in kinds.iter().enumerate() {
-            let (l, rate) = run_one(dir, &broker, kind, &format!("{kind:?}-sat-{round}"), n, 0.0)?;
+            let (l, rate, w) =
+                run_one(dir, &broker, kind, &format!("{kind:?}-sat-{round}"), n, 0.0)?;
             lat[k][0].extend(l);
             sat[k].push(rate);
+            if kind == Kind::Inbox {
+                bytes[0].0.add(w);
+                bytes[0].1 += n as u64;
+            }
         }
         let base = *sat[0].last().unwrap();
         for (j, load) in LOADS.iter().enumerate() {
@@ -366,22 +379,29 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
             offered[j].push(rate);
             for (k, &kind) in kinds.iter().enumerate() {
                 let tag = format!("{kind:?}-{}-{round}", (load * 100.0) as u32);
-                let (l, _) = run_one(dir, &broker, kind, &tag, n, rate)?;
+                let (l, _, w) = run_one(dir, &broker, kind, &tag, n, rate)?;
                 lat[k][1 + j].extend(l);
+                if kind == Kind::Inbox {
+                    bytes[1 + j].0.add(w);
+                    bytes[1 + j].1 += n as u64;
+                }
             }
         }
         disk.extend(fsyncs(dir, n.min(1000))?);
     }
     let (f50, f99) = (pct(&mut disk, 0.5), pct(&mut disk, 0.99));
-    println!("\n## Publish-to-PUBACK latency (n = {n} per run, {rounds} round(s), pooled)\n");
+    println!(
+        "\n## Publish-to-PUBACK latency (n = {n} per run, {rounds} round(s), pooled; sync +{} ms)\n",
+        field_vfs::delay().as_millis()
+    );
     println!(
         "Disk: fsync (4 KiB append + fdatasync) p50 {:.2} ms, p99 {:.2} ms ({} samples)\n",
         ms(f50),
         ms(f99),
         disk.len()
     );
-    println!("| load | offered msgs/s | consumer | p50 ms | p99 ms | max ms |");
-    println!("|---|---:|---|---:|---:|---:|");
+    println!("| load | offered msgs/s | consumer | p50 ms | p99 ms | max ms | bytes/delivery: WAL | database file | block layer | syncs/delivery |");
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     let names = [
         "edge-inbox `Consumer` (defaults)",
         "bare, PUBACK on receipt",
@@ -399,8 +419,18 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
             let v = &mut lat[k][level];
             let (p50, p99) = (pct(v, 0.5), pct(v, 0.99));
             let max = *v.last().unwrap();
+            let written = if k == 0 {
+                let (w, d) = &bytes[level];
+                let (wal, db, block) = w.per(*d);
+                format!(
+                    "{wal:.0} | {db:.0} | {block:.0} | {:.3}",
+                    w.syncs as f64 / (*d).max(1) as f64
+                )
+            } else {
+                "- | - | - | -".into()
+            };
             println!(
-                "| {label} | {rate} | {} | {:.2} | {:.2} | {:.2} |",
+                "| {label} | {rate} | {} | {:.2} | {:.2} | {:.2} | {written} |",
                 names[k],
                 ms(p50),
                 ms(p99),

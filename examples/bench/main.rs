@@ -32,6 +32,8 @@ use edge_inbox::{Delivery, Inbox, Outcome, Tx};
 #[path = "../../benches/common/mod.rs"]
 mod common;
 use common::*;
+#[path = "../support/field_vfs.rs"]
+mod field_vfs;
 
 mod allocations;
 #[cfg(feature = "mqtt")]
@@ -120,6 +122,19 @@ struct Args {
     /// Do `--n` deliveries of one kind with `synchronous=OFF`, for callgrind (overrides `--mode`).
     #[arg(long, value_name = "KIND", value_parser = ["raw", "classic", "process", "process-noop", "raw256", "batch256"])]
     instructions: Option<String>,
+    /// Field storage: add this many milliseconds to every sync (SD card, eMMC), through a VFS that wraps the
+    /// platform's; also added to the fsync probes.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    sync_delay_ms: u64,
+    /// Page size of the inboxes' new files (`Config::page_size`); default SQLite's.
+    #[arg(long, value_name = "BYTES")]
+    page_size: Option<u32>,
+    /// The inboxes' `Config::wal_autocheckpoint`.
+    #[arg(long, value_name = "PAGES")]
+    wal_autocheckpoint: Option<u32>,
+    /// The inboxes' `Config::journal_size_limit`.
+    #[arg(long, value_name = "BYTES")]
+    journal_size_limit: Option<i64>,
 }
 
 /// The modes of `--mode`.
@@ -144,6 +159,25 @@ enum Mode {
 fn main() -> anyhow::Result<()> {
     let args = <Args as clap::Parser>::parse();
     let (n, rounds) = (args.n as usize, args.rounds as usize);
+    // Before any database opens: every connection of the run goes through it (bytes are counted always).
+    field_vfs::install(Duration::from_millis(args.sync_delay_ms));
+    let mut config = edge_inbox::Config::default();
+    if let Some(p) = args.page_size {
+        config = config.page_size(p);
+    }
+    if let Some(p) = args.wal_autocheckpoint {
+        config = config.wal_autocheckpoint(p);
+    }
+    if let Some(b) = args.journal_size_limit {
+        config = config.journal_size_limit(b);
+    }
+    set_inbox_config(config);
+    if args.sync_delay_ms > 0 {
+        println!(
+            "Field storage: every sync takes {} ms more (simulated).",
+            args.sync_delay_ms
+        );
+    }
     std::fs::create_dir_all(&args.db_dir)?;
     let dir = tempfile::Builder::new()
         .prefix("edge-inbox-bench-")

@@ -1,6 +1,7 @@
 //! Throughput table: every row on a fresh file, rows taking turns slice by slice.
 
 use super::*;
+use field_vfs::Written;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Row {
@@ -109,6 +110,19 @@ struct Contender {
     next: usize,
     warm: usize,
     elapsed: Duration,
+    /// Bytes written during the timed slices, as the VFS and the kernel saw them.
+    written: Written,
+    /// The same as the inbox counted it ([`Inbox::bytes_written`]): WAL, checkpoints.
+    counted: (u64, u64),
+}
+
+/// Bytes one row wrote over its timed deliveries, pooled over the rounds.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct RowBytes {
+    written: Written,
+    counted: (u64, u64),
+    deliveries: u64,
+    inbox: bool,
 }
 
 /// The handler of an inbox row, chosen at run time.
@@ -167,9 +181,13 @@ impl Contender {
             next: 0,
             warm,
             elapsed: Duration::ZERO,
+            written: Written::default(),
+            counted: (0, 0),
         };
         c.run(warm)?;
         c.elapsed = Duration::ZERO;
+        c.written = Written::default();
+        c.counted = (0, 0);
         Ok(c)
     }
 
@@ -186,9 +204,15 @@ impl Contender {
         };
         let ds = deliveries(ids, payload);
         let now = now();
+        let written = Written::now();
+        let counted = self.counted_now()?;
         let (result, t) = match &mut self.store {
             Store::Fsync(f) => timed(|| {
-                ids.iter().try_for_each(|_| f.write_sync())?;
+                ids.iter().try_for_each(|_| {
+                    f.write_sync()?;
+                    field_vfs::after_sync();
+                    Ok::<_, std::io::Error>(())
+                })?;
                 Ok::<_, anyhow::Error>(ids.len())
             }),
             Store::Raw(raw) => timed(|| {
@@ -226,7 +250,22 @@ impl Contender {
         };
         anyhow::ensure!(result? == ids.len(), "{row:?}: unexpected outcomes");
         self.elapsed += t;
+        self.written.add(Written::now().since(written));
+        let after = self.counted_now()?;
+        self.counted.0 += after.0 - counted.0;
+        self.counted.1 += after.1 - counted.1;
         Ok(())
+    }
+
+    /// What the inbox of an inbox row has counted so far (zeros for the others).
+    fn counted_now(&self) -> anyhow::Result<(u64, u64)> {
+        Ok(match &self.store {
+            Store::Inbox { inbox, .. } => {
+                let w = inbox.bytes_written()?;
+                (w.wal_bytes, w.checkpoint_bytes)
+            }
+            _ => (0, 0),
+        })
     }
 
     fn rate(&self) -> f64 {
@@ -236,7 +275,7 @@ impl Contender {
 
 /// One round: every row on a fresh file, taking turns slice by slice so that a busy neighbour slows all of
 /// them alike. Returns messages per second indexed like [`Row::ALL`].
-fn round(dir: &Path, n: usize, round: usize) -> anyhow::Result<Vec<f64>> {
+fn round(dir: &Path, n: usize, round: usize, bytes: &mut [RowBytes]) -> anyhow::Result<Vec<f64>> {
     let mut contenders = Row::ALL
         .into_iter()
         .filter(|r| *r != Row::Batch256VsClassic)
@@ -250,6 +289,12 @@ fn round(dir: &Path, n: usize, round: usize) -> anyhow::Result<Vec<f64>> {
     let mut rates = vec![0.0; Row::ALL.len()];
     for c in &contenders {
         rates[idx(c.row)] = c.rate();
+        let b = &mut bytes[idx(c.row)];
+        b.written.add(c.written);
+        b.counted.0 += c.counted.0;
+        b.counted.1 += c.counted.1;
+        b.deliveries += (c.next - c.warm) as u64;
+        b.inbox = matches!(c.store, Store::Inbox { .. });
         eprintln!(
             "round {}: {:<56} {:>10.0} msg/s",
             round + 1,
@@ -283,8 +328,9 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub(crate) fn table(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
+    let mut bytes = vec![RowBytes::default(); Row::ALL.len()];
     let rates = (0..rounds)
-        .map(|r| round(dir, n, r))
+        .map(|r| round(dir, n, r, &mut bytes))
         .collect::<anyhow::Result<Vec<_>>>()?;
     println!(
         "\n| workload (synchronous=FULL, n={n}, rows interleaved in {SLICES} slices, median of {rounds} rounds) | msgs/s | ratio | target | met? |"
@@ -320,6 +366,33 @@ pub(crate) fn table(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
             .map(|r| format!("{:.0}", r[idx(row)]))
             .collect();
         println!("- {}: {}", row.label(), per.join(", "));
+    }
+    println!(
+        "\n| bytes written per delivery (timed slices, pooled over {rounds} rounds; sync +{} ms) | WAL | database file (checkpoints) | block layer (/proc/self/io) | syncs | counted by the inbox: WAL / checkpoints |",
+        field_vfs::delay().as_millis()
+    );
+    println!("|---|---:|---:|---:|---:|---|");
+    for row in Row::ALL {
+        if row == Row::Batch256VsClassic {
+            continue;
+        }
+        let b = &bytes[idx(row)];
+        let (wal, db, block) = b.written.per(b.deliveries);
+        let counted = if b.inbox {
+            let n = b.deliveries.max(1) as f64;
+            format!(
+                "{:.0} / {:.0}",
+                b.counted.0 as f64 / n,
+                b.counted.1 as f64 / n
+            )
+        } else {
+            "-".into()
+        };
+        println!(
+            "| {} | {wal:.0} | {db:.0} | {block:.0} | {:.3} | {counted} |",
+            row.label(),
+            b.written.syncs as f64 / b.deliveries.max(1) as f64
+        );
     }
     Ok(())
 }

@@ -19,8 +19,10 @@ use crate::store::txn::unix_now_ms;
 
 mod invariants;
 pub(crate) mod stats;
+mod wear;
 
 pub use invariants::{check_invariants, Breach, LEASE_BOUND};
+pub use wear::{bytes_written, device_wear, device_wear_in, BytesWritten, DeviceWear};
 
 const DAY: i64 = 86_400;
 

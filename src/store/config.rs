@@ -69,6 +69,8 @@ pub struct Config {
     pub(crate) vfs: Option<String>,
     pub(crate) outbox_producer: Option<String>,
     pub(crate) slow_commit: Option<Duration>,
+    pub(crate) wal_autocheckpoint: u32,
+    pub(crate) page_size: Option<u32>,
 }
 
 impl Default for Config {
@@ -81,6 +83,8 @@ impl Default for Config {
             vfs: None,
             outbox_producer: None,
             slow_commit: Some(Duration::from_secs(1)),
+            wal_autocheckpoint: 1000,
+            page_size: None,
         }
     }
 }
@@ -109,6 +113,24 @@ impl Config {
     /// Size, in bytes, the WAL file is truncated back to after a checkpoint. Default 64 MiB.
     pub fn journal_size_limit(mut self, bytes: i64) -> Self {
         self.journal_size_limit = bytes;
+        self
+    }
+
+    /// Copy the WAL back into the database file (a PASSIVE checkpoint) when a commit leaves it this many
+    /// pages long, as SQLite's `wal_autocheckpoint`; 0 never does (then run checkpoints yourself). Default
+    /// 1000. A larger value copies a page changed by many commits back fewer times (less flash wear) for a
+    /// larger WAL file and a longer recovery after a crash.
+    pub fn wal_autocheckpoint(mut self, pages: u32) -> Self {
+        self.wal_autocheckpoint = pages;
+        self
+    }
+
+    /// Page size, in bytes (a power of two from 512 to 65536), of a database file this inbox *creates*; an
+    /// existing file keeps the page size it was created with. Default: SQLite's (4096). Smaller pages make
+    /// each commit's WAL frames smaller, but flash and the kernel write whole 4 KiB blocks anyway: see the
+    /// README's section on flash wear before changing it.
+    pub fn page_size(mut self, bytes: u32) -> Self {
+        self.page_size = Some(bytes);
         self
     }
 

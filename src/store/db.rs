@@ -72,6 +72,8 @@ pub(crate) struct Db {
     /// The latest clock reading retention accepted (`clock_seen`, Unix seconds; 0 when none), as of the
     /// last retention refresh: new identities are never dated before it.
     pub(crate) clock_seen: Cell<i64>,
+    /// Bytes written to the files, for flash wear (see [`Wear`](crate::store::wear::Wear)).
+    pub(crate) wear: Box<crate::store::wear::Wear>,
 }
 
 /// What the connection's commit and rollback hooks know about a running handler.
@@ -236,6 +238,7 @@ impl Drop for Db {
         drop(self.waiter.take());
         // SAFETY: the statements are dropped exactly once, here, and before the connection they borrow;
         // `conn` came from `Box::into_raw` in `Db::new` and is freed exactly once.
+        self.wear.save_on_close(self);
         unsafe {
             ManuallyDrop::drop(&mut self.hot);
             drop(Box::from_raw(self.conn.as_ptr()));
@@ -290,6 +293,7 @@ impl Db {
                 guard,
                 id_key: crate::store::identity::IdKey::UNKEYED,
                 clock_seen: Cell::new(0),
+                wear: Box::default(),
             }),
             Err(e) => {
                 // SAFETY: no statement borrows the connection any more (`prepare` failed and dropped them).

@@ -13,3 +13,4 @@ pub(crate) mod schema;
 pub(crate) mod state;
 pub(crate) mod txn;
 pub(crate) mod wal_watch;
+pub(crate) mod wear;

@@ -182,6 +182,10 @@ fn open_once(path: &Path, config: &Config) -> Result<Connection> {
 
     let version = known_version(&conn, path)?;
     if version == 0 {
+        // Before auto_vacuum, which fixes the page size of the empty file.
+        if let Some(size) = config.page_size {
+            set_page_size(&conn, size)?;
+        }
         // Must precede the first table: auto_vacuum can only be chosen on an empty database.
         conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL")
             .map_err(Error::from)?;
@@ -264,6 +268,22 @@ fn classify_open(err: rusqlite::Error, path: &Path) -> Error {
         }
         _ => Error::from(err),
     }
+}
+
+/// The page size of a new, still empty file (SQLite fixes it with the first page written), read back.
+fn set_page_size(conn: &Connection, size: u32) -> Result<()> {
+    conn.execute_batch(&format!("PRAGMA page_size = {size}"))
+        .map_err(Error::from)?;
+    let got: i64 = conn
+        .query_row("PRAGMA page_size", [], |r| r.get(0))
+        .map_err(Error::from)?;
+    if got != i64::from(size) {
+        return Err(Error::Setting {
+            wanted: format!("page_size={size}"),
+            got: got.to_string(),
+        });
+    }
+    Ok(())
 }
 
 fn set_wal(conn: &Connection) -> Result<()> {

@@ -35,6 +35,7 @@ pub(crate) fn begin(conn: &Db) -> Result<()> {
 /// into a database file that is no longer at its path is [`Error::DatabaseGone`]: it can never be durable.
 pub(crate) fn commit(conn: &Db) -> Result<()> {
     let started = conn.slow_commit.map(|_| std::time::Instant::now());
+    let staged = conn.wear.stage(conn);
     conn.commit_raw().map_err(|e| {
         let code = extended_code(&e).unwrap_or(-1);
         match code & 0xff {
@@ -48,6 +49,9 @@ pub(crate) fn commit(conn: &Db) -> Result<()> {
             }
         }
     })?;
+    if let Some(staged) = staged {
+        conn.wear.saved(staged);
+    }
     if let (Some(started), Some(threshold)) = (started, conn.slow_commit) {
         let took = started.elapsed();
         if took >= threshold {

@@ -355,7 +355,20 @@ fn listing<T: Serialize>(
 struct StatsDoc {
     path: String,
     files: FileSizes,
+    /// Bytes the inbox wrote over the file's life, as saved in it.
+    bytes_written: inspect::BytesWritten,
+    /// The device's own wear figures, where it reports them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device: Option<inspect::DeviceWear>,
     scopes: Vec<inspect::ScopeReport>,
+}
+
+/// Where sysfs is: `/sys`, or `EDGE_INBOX_SYSFS` (for tests, which stage a device there).
+fn device_wear(path: &Path) -> Option<inspect::DeviceWear> {
+    match std::env::var_os("EDGE_INBOX_SYSFS") {
+        Some(root) => inspect::device_wear_in(path, Path::new(&root)),
+        None => inspect::device_wear(path),
+    }
 }
 
 fn stats(
@@ -369,11 +382,19 @@ fn stats(
         path: path.display().to_string(),
         scopes: inspect::stats(&conn, scope)?,
         files: FileSizes::of(path),
+        bytes_written: inspect::bytes_written(&conn)?,
+        device: device_wear(path),
     };
     let text = match format {
         StatsFormat::Text => stats_text(&doc),
         StatsFormat::Json => json_text(&doc)? + "\n",
-        StatsFormat::Prometheus => prometheus::render(&doc.path, &doc.files, &doc.scopes),
+        StatsFormat::Prometheus => prometheus::render(
+            &doc.path,
+            &doc.files,
+            &doc.bytes_written,
+            doc.device.as_ref(),
+            &doc.scopes,
+        ),
     };
     match output {
         Some(file) => {
@@ -392,6 +413,26 @@ fn stats_text(doc: &StatsDoc) -> String {
         "{}: database {} bytes, WAL {} bytes",
         doc.path, doc.files.db_bytes, doc.files.wal_bytes
     );
+    let w = &doc.bytes_written;
+    let _ = writeln!(
+        out,
+        "written over the file's life: WAL {} bytes, checkpoints {} bytes, total {} bytes",
+        w.wal_bytes,
+        w.checkpoint_bytes,
+        w.total()
+    );
+    if let Some(d) = &doc.device {
+        let text = |v: Option<u8>| v.map_or("-".to_owned(), inspect::DeviceWear::life_time_text);
+        let _ = writeln!(
+            out,
+            "device {}: life time used {} (type A), {} (type B), pre-EOL {}",
+            d.device,
+            text(d.life_time_a),
+            text(d.life_time_b),
+            d.pre_eol_info
+                .map_or("-", inspect::DeviceWear::pre_eol_text)
+        );
+    }
     for s in &doc.scopes {
         let _ = writeln!(out, "scope {}", s.scope);
         let _ = writeln!(

@@ -3,10 +3,11 @@
 
 use std::fmt::Write;
 
-use edge_inbox::inspect::{FileSizes, ScopeReport};
+use edge_inbox::inspect::{BytesWritten, DeviceWear, FileSizes, ScopeReport};
 
 type Figure = fn(&ScopeReport) -> Option<u64>;
 type Size = fn(&FileSizes) -> u64;
+type Written = fn(&BytesWritten) -> u64;
 
 /// The per-scope families: name, type, help, and the figure of `stats --json` each one carries.
 const SCOPE_FAMILIES: &[(&str, &str, &str, Figure)] = &[
@@ -92,9 +93,30 @@ const FILE_FAMILIES: &[(&str, &str, Size)] = &[
     ),
 ];
 
+/// The bytes-written families: name, help, and the figure each one carries.
+const WRITTEN_FAMILIES: &[(&str, &str, Written)] = &[
+    (
+        "edge_inbox_wal_written_bytes_total",
+        "Bytes the inbox appended to its WAL over the file's life (as last saved in the file): flash wear.",
+        |w| w.wal_bytes,
+    ),
+    (
+        "edge_inbox_checkpoint_written_bytes_total",
+        "Bytes the inbox's automatic checkpoints wrote into the database file over the file's life (as last saved).",
+        |w| w.checkpoint_bytes,
+    ),
+];
+
 /// The exposition of one database's figures. Every sample carries a `db` label (the path as given), so the
 /// files of several inboxes on one host can sit side by side in the textfile directory without colliding.
-pub fn render(db: &str, files: &FileSizes, scopes: &[ScopeReport]) -> String {
+/// The device's families appear only where the device reports its wear.
+pub fn render(
+    db: &str,
+    files: &FileSizes,
+    written: &BytesWritten,
+    device: Option<&DeviceWear>,
+    scopes: &[ScopeReport],
+) -> String {
     let db = label_value(db);
     let mut out = String::new();
     for (name, kind, help, figure) in SCOPE_FAMILIES {
@@ -109,6 +131,41 @@ pub fn render(db: &str, files: &FileSizes, scopes: &[ScopeReport]) -> String {
     for (name, help, size) in FILE_FAMILIES {
         family(&mut out, name, "gauge", help);
         let _ = writeln!(out, "{name}{{db=\"{db}\"}} {}", size(files));
+    }
+    for (name, help, figure) in WRITTEN_FAMILIES {
+        family(&mut out, name, "counter", help);
+        let _ = writeln!(out, "{name}{{db=\"{db}\"}} {}", figure(written));
+    }
+    if let Some(d) = device {
+        let dev = label_value(&d.device);
+        let life = [("a", d.life_time_a), ("b", d.life_time_b)];
+        if life.iter().any(|(_, v)| v.is_some()) {
+            let name = "edge_inbox_device_life_time_estimate";
+            family(
+                &mut out,
+                name,
+                "gauge",
+                "eMMC life time used, as the device estimates it: 1 is 0-10 %, 10 is 90-100 %, 11 beyond its rated life.",
+            );
+            for (kind, v) in life {
+                if let Some(v) = v {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{db=\"{db}\",device=\"{dev}\",type=\"{kind}\"}} {v}"
+                    );
+                }
+            }
+        }
+        if let Some(v) = d.pre_eol_info {
+            let name = "edge_inbox_device_pre_eol_info";
+            family(
+                &mut out,
+                name,
+                "gauge",
+                "eMMC reserved blocks consumed: 1 normal, 2 warning (80 %), 3 urgent.",
+            );
+            let _ = writeln!(out, "{name}{{db=\"{db}\",device=\"{dev}\"}} {v}");
+        }
     }
     out
 }
@@ -150,7 +207,13 @@ mod tests {
 
     #[test]
     fn every_family_is_declared_once_before_its_samples() {
-        let text = render("inbox.db", &FileSizes::default(), &[]);
+        let text = render(
+            "inbox.db",
+            &FileSizes::default(),
+            &BytesWritten::default(),
+            None,
+            &[],
+        );
         for (name, kind, ..) in SCOPE_FAMILIES {
             assert_eq!(text.matches(&format!("# TYPE {name} {kind}\n")).count(), 1);
         }

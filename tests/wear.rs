@@ -1,0 +1,192 @@
+//! Flash wear: the bytes an inbox writes, counted by the inbox on a real file, and the device's own figures.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use edge_inbox::inspect::{self, FileSizes};
+use edge_inbox::{open_read_only, Config, Delivery, Inbox, Outcome, Tx};
+
+fn bump(tx: &mut Tx<'_>, _d: &Delivery<'_>) -> anyhow::Result<()> {
+    let n: u64 = tx.get("n")?.unwrap_or(0);
+    tx.put("n", &(n + 1))?;
+    Ok(())
+}
+
+fn deliver(inbox: &mut Inbox, from: usize, to: usize) {
+    for i in from..to {
+        let id = format!("evt-{i}");
+        let d = Delivery::new("wear", &id, "t/1", b"payload");
+        assert!(matches!(
+            inbox.process(&d, bump).unwrap(),
+            Outcome::Processed
+        ));
+    }
+}
+
+const PAGE: u64 = 4096;
+const FRAME: u64 = PAGE + 24;
+const WAL_HEADER: u64 = 32;
+
+#[test]
+fn wal_bytes_are_exactly_the_frames_appended() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    // No checkpoint: the WAL file only grows, so its size tells every byte written to it.
+    let mut inbox = Inbox::open(&path, Config::default().wal_autocheckpoint(0)).unwrap();
+    let before = inbox.bytes_written().unwrap();
+    deliver(&mut inbox, 0, 50);
+    let after = inbox.bytes_written().unwrap();
+    let wal_file = FileSizes::of(&path).wal_bytes;
+    let written = after.wal_bytes - before.wal_bytes;
+    assert!(
+        written >= 50 * FRAME,
+        "{written}: at least a frame per commit"
+    );
+    assert_eq!(written % FRAME, 0, "whole frames");
+    // Opening wrote the schema's frames before the counter existed; those are in the file but not counted.
+    assert!(
+        wal_file >= WAL_HEADER + after.wal_bytes,
+        "{wal_file} vs {after:?}"
+    );
+    assert_eq!(
+        (wal_file - WAL_HEADER) - after.wal_bytes,
+        (wal_file - WAL_HEADER) - written - before.wal_bytes
+    );
+    assert_eq!(after.checkpoint_bytes, 0, "no checkpoint ran");
+}
+
+#[test]
+fn the_inbox_runs_the_automatic_checkpoint_and_counts_what_it_copied() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = Inbox::open(&path, Config::default().wal_autocheckpoint(20)).unwrap();
+    deliver(&mut inbox, 0, 200);
+    let w = inbox.bytes_written().unwrap();
+    assert!(w.checkpoint_bytes > 0, "{w:?}");
+    assert_eq!(w.checkpoint_bytes % PAGE, 0, "whole pages");
+    // The WAL starts over after each complete checkpoint instead of growing with every commit.
+    let wal_file = FileSizes::of(&path).wal_bytes;
+    assert!(
+        wal_file < WAL_HEADER + 40 * FRAME,
+        "WAL file {wal_file} bytes"
+    );
+    // A checkpoint ran, then more commits: the first of them saved the counts in the file, readable by a
+    // tool while the inbox stays open.
+    let conn = open_read_only(&path).unwrap();
+    let saved = inspect::bytes_written(&conn).unwrap();
+    assert!(
+        saved.wal_bytes > 0 && saved.checkpoint_bytes > 0,
+        "{saved:?}"
+    );
+    assert!(saved.wal_bytes <= w.wal_bytes, "{saved:?} {w:?}");
+    drop(conn);
+    // Closing saves the rest.
+    drop(inbox);
+    let conn = open_read_only(&path).unwrap();
+    assert_eq!(inspect::bytes_written(&conn).unwrap(), w);
+}
+
+#[test]
+fn counts_add_up_over_reopening_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = Inbox::open(&path, Config::default()).unwrap();
+    deliver(&mut inbox, 0, 10);
+    let first = inbox.bytes_written().unwrap();
+    drop(inbox);
+    let mut inbox = Inbox::open(&path, Config::default()).unwrap();
+    assert_eq!(
+        inbox.bytes_written().unwrap(),
+        first,
+        "saved at close, read at open"
+    );
+    deliver(&mut inbox, 10, 20);
+    let second = inbox.bytes_written().unwrap();
+    assert!(
+        second.wal_bytes >= first.wal_bytes + 10 * FRAME,
+        "{first:?} {second:?}"
+    );
+}
+
+#[test]
+fn a_smaller_page_size_applies_to_a_new_file_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = Inbox::open(&path, Config::default().page_size(1024)).unwrap();
+    let page: i64 = inbox
+        .connection()
+        .query_row("PRAGMA page_size", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(page, 1024);
+    let before = inbox.bytes_written().unwrap();
+    deliver(&mut inbox, 0, 10);
+    let w = inbox.bytes_written().unwrap().wal_bytes - before.wal_bytes;
+    assert_eq!(w % (1024 + 24), 0, "frames of the file's page size: {w}");
+    drop(inbox);
+    let inbox = Inbox::open(&path, Config::default().page_size(8192)).unwrap();
+    let page: i64 = inbox
+        .connection()
+        .query_row("PRAGMA page_size", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(page, 1024, "an existing file keeps its page size");
+}
+
+/// A sysfs tree with an eMMC partition for the device `path` lives on, as Linux lays it out.
+fn fake_sysfs(root: &Path, path: &Path, life_time: &str, pre_eol: &str) -> PathBuf {
+    let dev = std::fs::metadata(path).unwrap().dev();
+    let major = ((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0x0fff);
+    let minor = ((dev >> 12) & 0xffff_ff00) | (dev & 0xff);
+    let disk = root.join("devices/platform/mmc0/mmc_host/mmc0/mmc0:0001/block/mmcblk0");
+    let part = disk.join("mmcblk0p2");
+    std::fs::create_dir_all(&part).unwrap();
+    std::fs::write(part.join("partition"), "2\n").unwrap();
+    std::fs::create_dir_all(disk.join("device")).unwrap();
+    std::fs::write(disk.join("device/life_time"), life_time).unwrap();
+    std::fs::write(disk.join("device/pre_eol_info"), pre_eol).unwrap();
+    std::fs::create_dir_all(root.join("dev/block")).unwrap();
+    std::os::unix::fs::symlink(&part, root.join(format!("dev/block/{major}:{minor}"))).unwrap();
+    root.to_owned()
+}
+
+#[test]
+fn emmc_wear_is_read_from_the_files_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    drop(Inbox::open(&path, Config::default()).unwrap());
+    let sys = tempfile::tempdir().unwrap();
+    let root = fake_sysfs(sys.path(), &path, "0x02 0x0b\n", "0x02\n");
+    let wear = inspect::device_wear_in(&path, &root).expect("staged device");
+    assert_eq!(wear.device, "mmcblk0");
+    assert_eq!(wear.life_time_a, Some(2));
+    assert_eq!(wear.life_time_b, Some(11));
+    assert_eq!(wear.pre_eol_info, Some(2));
+    // No such files: not reported.
+    let empty = tempfile::tempdir().unwrap();
+    assert_eq!(inspect::device_wear_in(&path, empty.path()), None);
+}
+
+#[test]
+fn a_device_without_wear_figures_reports_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    drop(Inbox::open(&path, Config::default()).unwrap());
+    // This machine's own disk: reported exactly when its sysfs entry has the eMMC files.
+    let dev = std::fs::metadata(&path).unwrap().dev();
+    let major = ((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0x0fff);
+    let minor = ((dev >> 12) & 0xffff_ff00) | (dev & 0xff);
+    let entry = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+    let has = [
+        "device/life_time",
+        "../device/life_time",
+        "device/pre_eol_info",
+        "../device/pre_eol_info",
+    ]
+    .iter()
+    .any(|f| entry.join(f).exists());
+    assert_eq!(
+        inspect::device_wear(&path).is_some(),
+        has,
+        "{}",
+        entry.display()
+    );
+}
