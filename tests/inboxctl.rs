@@ -600,8 +600,12 @@ fn stats_in_prometheus_format_carry_the_json_figures() {
         assert!(want > 0, "{field}");
         assert_eq!(*value, want as f64, "{family}");
     }
-    assert_eq!(parsed.len(), 11 * 3 - 2 + 2 + 2, "every sample accounted for");
-    assert_eq!(text.matches("# TYPE ").count(), 13, "one family per figure");
+    assert_eq!(
+        parsed.len(),
+        11 * 3 - 2 + 2 + 2,
+        "every sample accounted for"
+    );
+    assert_eq!(text.matches("# TYPE ").count(), 15, "one family per figure");
 
     // --json and --format disagreeing is a usage error.
     let both = inboxctl(&path, &["--json", "stats", "--format", "prometheus"]);
