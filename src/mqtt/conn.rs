@@ -154,7 +154,9 @@ impl MqttConfig {
     /// consumer hold large packets in memory. A delivery up to this size but over the inbox
     /// [`Limits`](crate::Limits) arrives and is quarantined; a larger one is never read: with MQTT 5 the
     /// size is sent in CONNECT and the broker drops such a message (mosquitto discards it and logs
-    /// nothing to us; it is not redelivered); with 3.1.1 the client cannot announce it, rumqttc drops the
+    /// "Dropping too large outgoing PUBLISH"; it is not redelivered. mosquitto 2.0.11 drops only an
+    /// inflight window's worth per connection: what is queued behind waits for the next connection);
+    /// a broker that ignores the announced size is treated like 3.1.1; with 3.1.1 the client cannot announce it, rumqttc drops the
     /// connection when the packet's header arrives and the broker redelivers it at every reconnect, which
     /// stalls the session (logged as an error naming the size): there, set the broker's own limit
     /// (mosquitto `message_size_limit`) at or below this one. At least 1024, at most the MQTT maximum.
@@ -470,6 +472,9 @@ fn poll_v4(
     let mut backoff = FIRST_BACKOFF;
     let mut stopping_since = None;
     let mut connected_once = false;
+    // The last connection ended over a packet too large to read: the broker sends it again at once, so
+    // the backoff keeps growing across such connections instead of reconnecting ten times a second.
+    let mut refused_oversize = false;
     loop {
         let next = next_event(&mut stopping_since, &closing, |wait| match wait {
             None => conn.recv().ok(),
@@ -478,7 +483,9 @@ fn poll_v4(
         let Some(next) = next else { return };
         match next {
             Ok(E::Incoming(Packet::ConnAck(ack))) => {
-                backoff = FIRST_BACKOFF;
+                if !refused_oversize {
+                    backoff = FIRST_BACKOFF;
+                }
                 connected_once = true;
                 let Ok(c) = feed.connected(ack.session_present) else {
                     return;
@@ -519,6 +526,7 @@ fn poll_v4(
                 if feed.lost_v311(&mut conn.eventloop).is_err() {
                     return;
                 }
+                refused_oversize = oversize_v4(&e).is_some();
                 let failure = Failure {
                     permanent: v4_permanent(&e),
                     oversize: oversize_v4(&e),
@@ -552,6 +560,9 @@ fn poll_v5(
     let mut backoff = FIRST_BACKOFF;
     let mut stopping_since = None;
     let mut connected_once = false;
+    // The last connection ended over a packet too large to read: the broker sends it again at once, so
+    // the backoff keeps growing across such connections instead of reconnecting ten times a second.
+    let mut refused_oversize = false;
     loop {
         let next = next_event(&mut stopping_since, &closing, |wait| match wait {
             None => conn.recv().ok(),
@@ -560,7 +571,9 @@ fn poll_v5(
         let Some(next) = next else { return };
         match next {
             Ok(E::Incoming(Packet::ConnAck(ack))) => {
-                backoff = FIRST_BACKOFF;
+                if !refused_oversize {
+                    backoff = FIRST_BACKOFF;
+                }
                 connected_once = true;
                 let Ok(c) = feed.connected(ack.session_present) else {
                     return;
@@ -600,6 +613,7 @@ fn poll_v5(
                 if feed.lost_v5(&mut conn.eventloop).is_err() {
                     return;
                 }
+                refused_oversize = oversize_v5(&e).is_some();
                 let failure = Failure {
                     permanent: v5_permanent(&e),
                     oversize: oversize_v5(&e),

@@ -248,9 +248,9 @@ impl Consumer {
         let scope = self.core.scope().to_owned();
         match self.core.inbox().backlog(&scope) {
             Ok(b) if b.pending + b.failed > 0 => log::warn!(
-                "scope {scope} holds {} stored deliveries not yet applied (pending {}, failed and waiting {}) \
-                 from a receive-only run: this run applies only what it receives; a Worker on scope {scope} \
-                 (inventory: run --workers N) applies them",
+                "scope {scope} holds {} stored deliveries waiting to be applied (pending {}, failed and \
+                 waiting for a retry {}), stored by a receive-only run: this run does not apply them; a \
+                 Worker on scope {scope} does",
                 b.pending + b.failed,
                 b.pending,
                 b.failed
