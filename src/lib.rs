@@ -6,7 +6,8 @@
 // strong case, where a delivery's path reads top-down: identity claim, transaction, handler, commit. The features
 // add `impl Inbox` blocks on top of it: `deferred/` (receive, workers, backlog, dead letters, requeue),
 // `outbox.rs`, `retention/prune.rs` (policies, watermarks, pruning), `retention/records.rs` (pruning quarantine
-// and conflict records), `kv.rs` (the key-value state read outside a handler). Highest are `mqtt/` (connection,
+// and conflict records), `kv.rs` (the key-value state read outside a handler). Highest are `mqtt/` (the
+// connection-agnostic consumer core, the ack gate, the commit loop and its feed, the crate's own connection and
 // consumer, in-order acks, relay; identity extraction is plain data and built without the `mqtt` feature), where
 // the ack follows the commit, and `inspect/` with the durable counters. The `pub use` list below is the whole
 // public surface; the folders stay private.
@@ -322,12 +323,30 @@
 //!   repeat (corruption, a handler that ended the transaction, a statement error) is not retried: the
 //!   batch's deliveries are committed one at a time, and the one that fails for good is dead-lettered with
 //!   the error as its reason, then acked, so the stream moves on. Nothing is acked without that durable
-//!   record: if even the dead letter cannot be written, it is retried with backoff instead.
+//!   record: if even the dead letter cannot be written, it is retried with backoff instead. A retryable
+//!   error that persists is bounded: after [`Consumer::storage_retry_limit`] (default 60 s) of failures on
+//!   one operation, `run` returns that error (nothing of the batch acked; logged at ERROR with its SQLite
+//!   code), so a supervisor sees a failed process and restarts it, and the broker redelivers.
 //! - **Handler failures** are retried ([`Consumer::handler_attempts`]), then the delivery is dead-lettered
 //!   ([`Inbox::dead_letter_after`]: body kept with its reason; a redelivery is a duplicate; an operator can
 //!   requeue it) and acked.
-//! - **Threads.** A poll thread owns the connection and only moves packets over a bounded channel; it
-//!   never touches SQLite and never waits on an ack. The thread in [`Consumer::run`] owns the inbox.
+//!   [`RunSummary::handler_failures`] counts deliveries that failed at least once,
+//!   [`RunSummary::failed_attempts`] the attempts (the durable [`ScopeStats::handler_failures`] counts
+//!   attempts too).
+//! - **Size.** [`MqttConfig::max_packet_size`] (default [`DEFAULT_MAX_PACKET`], 1 MiB + 64 KiB) bounds what
+//!   is read from the socket: a delivery over the inbox [`Limits`] but within it is quarantined; a larger
+//!   one is never read (MQTT 5: the broker drops it, as the CONNECT announced; 3.1.1: rumqttc drops the
+//!   connection at its header, so set the broker's own limit, mosquitto `message_size_limit`).
+//! - **Failing fast.** On the first connection of a run, what retrying cannot heal ends `run` with
+//!   [`Error::Connection`] naming the cause: the broker refusing the login or the client id (CONNACK
+//!   not authorized, bad user name or password, client id not valid, banned), TLS material that does not
+//!   parse, a certificate either side rejects. Once a connection has succeeded, every failure is retried
+//!   with backoff. An idle-bounded run ([`Consumer::exit_when_idle`]) that never connected is an error too.
+//! - **Stored deliveries.** A plain run on a file holding pending deliveries of a receive-only run logs
+//!   at start how many wait and that a [`Worker`] on the scope applies them (the plain run does not).
+//! - **Threads.** A poll thread owns the connection and only moves packets over a bounded channel (a
+//!   [`Feed`]); it never touches SQLite and never waits on an ack. The thread in [`Consumer::run`] owns the
+//!   inbox and the [`ConsumerCore`]; see [below](#the-core-and-the-connection-it-does-not-own).
 //! - **Graceful stop.** A [`StopHandle`] (from the handler, another thread or a signal) finishes the batch
 //!   in flight: it commits it, queues every PUBACK of it, then a DISCONNECT behind them, and returns once
 //!   the broker has closed the connection (bounded at about 10 s), so a new run gets no redelivery of what
@@ -335,6 +354,65 @@
 //!   redeliver; storage trouble at stop time acks nothing.
 //! - **TLS** through rustls with the *ring* provider only (no cmake or bindgen in cross builds) and
 //!   username/password ([`MqttConfig::credentials`]); credentials never appear in logs or `Debug` output.
+//!
+//! ### The core and the connection it does not own
+//!
+//! Everything between a received PUBLISH and its PUBACK is one piece of code, [`ConsumerCore`]: identity
+//! extraction, limits and quarantine, group commit, handler retries and dead letters, storage retries,
+//! acks in arrival order, connection epochs. It owns no socket and no thread, like quinn-proto under quinn;
+//! [`Consumer`] is that core plus a connection of its own, and a firmware that already holds the one MQTT
+//! connection its cloud allows drives the same core from its own event loop. The names:
+//!
+//! - [`ConsumerCore`]: `push(connection, Inbound, packet id)`, `connected(connection, session_present)`,
+//!   `connection_lost(connection)`, `settle(handler)` (blocking: commits), `pop_ack()` (the acks safe to
+//!   send now, in arrival order, each an [`Ack`] tagged with its [`ConnectionId`]; never one of a connection
+//!   older than the latest it was told about).
+//! - [`AckGate`]: the current connection, shared by the thread that polls rumqttc and the thread that sends
+//!   acks. `send(client, ack)` checks the ack's connection and queues the PUBACK in one step under a lock;
+//!   `lost(purge)` ends the connection and, under the same lock, purges the PUBACKs rumqttc still holds
+//!   (`lost_v5`/`lost_v311` do it for rumqttc's event loops). So a PUBACK computed for connection N can never
+//!   be written on connection N+1, where its packet id may name another message.
+//! - [`Feed`] and [`CommitThread`]: [`ConsumerCore::spawn`] puts the core on a commit thread of its own
+//!   and returns the feed, owned by the code that polls the connection. Commits never run on the thread
+//!   that polls the socket, nor on an async executor's threads.
+//! - Conversions: `Inbound::from` rumqttc's MQTT 5 and 3.1.1 `Publish`, or [`Feed::publish_v5`] /
+//!   [`Feed::publish_v311`].
+//!
+//! One delivery, from socket to PUBACK:
+//!
+//! ```text
+//! poll thread (rumqttc event loop)        commit thread (owns Inbox + ConsumerCore)
+//! ConnAck    -> feed.connected()  -- AckGate: connection N current; core.connected(N)
+//! Publish p  -> feed.publish_v5(p) ----->  core.push(N, Inbound, pkid)
+//!               (bounded channel:          core.settle(handler): extract id, check limits, BEGIN IMMEDIATE,
+//!                back-pressure)              identity + handler writes, COMMIT (fsync)
+//!                                          core.pop_ack() -> Ack{N, pkid} (in arrival order)
+//!                                          gate.send(client, ack): under the lock, N still current?
+//!                                            yes: client.try_ack(pkid) queued to rumqttc; no: dropped
+//! rumqttc writes the PUBACK on N
+//! Err(e)     -> feed.lost_v5(eventloop): under the lock, N ends and queued PUBACKs are purged;
+//!               core.connection_lost(N): what N delivered is dropped unacked; the broker redelivers it
+//!               on N+1 and the inbox recognises what was committed (a duplicate, acked then).
+//! ```
+//!
+//! Three ways to run:
+//!
+//! - **The crate's connection**: [`Consumer::run`]; the calling thread is the commit thread.
+//! - **Your own connection** (one rumqttc client for telemetry and commands): build the client with
+//!   `clean_start(false)` (3.1.1: `clean_session(false)`), manual acks, a Receive Maximum `W` and
+//!   `max_packet_size(Some(DEFAULT_MAX_PACKET))`; `ConsumerCore::new(inbox, scope).spawn(handler,
+//!   client.clone(), W)`; then, in your event loop: on every `ConnAck` call `feed.connected(session_present)`
+//!   and subscribe; hand every PUBLISH for the inbox to `feed.publish_v5(p)`, and call
+//!   `feed.pass_through(pkid)` for the QoS1 publishes of other topics you handle yourself instead of acking
+//!   them (PUBACKs must leave in arrival order); on every `Err` from `recv`/`poll`, call
+//!   `feed.lost_v5(&mut connection.eventloop)` **before polling again**; never ack an inbox delivery
+//!   yourself. To stop, `CommitThread::stop` (the batch in flight is committed and its acks queued), then
+//!   disconnect the client and keep polling until the broker closes the connection; `join` gives back the
+//!   summary. `examples/firmware.rs` is that program, tested with kill -9.
+//! - **Driving the core directly** (a single thread, your own channel): call `push`/`connected`/
+//!   `connection_lost` in the order events happened, `settle` from a thread that may block, and send each
+//!   `pop_ack()` with [`AckGate::send`]; give the core the same gate ([`ConsumerCore::gate`]) so that its
+//!   storage retries give up on a batch whose connection has ended.
 //!
 //! `examples/inventory.rs` is the whole scenario: `cargo run --example inventory` starts a local broker
 //! (mosquitto when it is installed, else one embedded in the example's process; `--broker HOST:PORT` in `run`
@@ -604,12 +682,20 @@ pub use crate::inbox::{Handler, Inbox};
 pub use crate::inspect::stats::ScopeStats;
 pub use crate::inspect::{BytesWritten, FileSizes, ScopeReport};
 #[cfg(feature = "mqtt")]
-pub use crate::mqtt::conn::{MqttConfig, Protocol, Tls};
+pub use crate::mqtt::conn::{MqttConfig, Protocol, Tls, DEFAULT_MAX_PACKET};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::consumer::{Consumer, RunSummary, StopHandle};
+#[cfg(feature = "mqtt")]
+pub use crate::mqtt::core::{ConsumerCore, STORAGE_RETRY_LIMIT};
+#[cfg(feature = "mqtt")]
+pub use crate::mqtt::driver::{CommitThread, Feed, FeedClosed};
+#[allow(deprecated)]
+pub use crate::mqtt::extract::Incoming;
 pub use crate::mqtt::extract::{
-    parse_sent_at, Envelope, ExtractIdentity, Identity, Incoming, UserProperty, SENT_AT,
+    parse_sent_at, Envelope, ExtractIdentity, Identity, Inbound, UserProperty, SENT_AT,
 };
+#[cfg(feature = "mqtt")]
+pub use crate::mqtt::gate::{Ack, AckGate, AckSent, ConnectionId, PubAckSender};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::relay::{Relay, RelayConfig, RelayStats};
 pub use crate::outbox::{outbox_message_id, OutboxBacklog, OutboxProperties, Qos};

@@ -7,7 +7,7 @@
 use std::cell::RefCell;
 
 use edge_inbox::{
-    Config, Delivery, Envelope, Error, ExtractIdentity, Inbox, Incoming, InvalidDelivery, Outcome,
+    Config, Delivery, Envelope, Error, ExtractIdentity, Inbound, Inbox, InvalidDelivery, Outcome,
     Tx, UserProperty,
 };
 use proptest::prelude::*;
@@ -181,7 +181,7 @@ fn identity_extraction_from_arbitrary_user_properties_is_total_and_validated_bef
     });
     runner
         .run(&props, |props| {
-            let mut msg = Incoming::new("t/1", b"payload".to_vec());
+            let mut msg = Inbound::new("t/1", b"payload".to_vec());
             for (k, v) in &props {
                 msg = msg.with_user_property(k.clone(), v.clone());
             }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use edge_inbox::{
-    inspect, Config, Delivery, ExtractIdentity, IdHash, Inbox, Incoming, Outcome, Pruning,
+    inspect, Config, Delivery, ExtractIdentity, IdHash, Inbound, Inbox, Outcome, Pruning,
     RetentionPolicy, SequenceConflictCause, Status, UserProperty, SEQUENCE_WINDOW,
 };
 
@@ -125,13 +125,13 @@ fn sent_at_property_makes_the_horizon_work_and_undated_identities_stay() {
         )
         .unwrap();
     let sent = now() - 10 * DAY;
-    let dated = Incoming::new("orders/1", b"{}".to_vec())
+    let dated = Inbound::new("orders/1", b"{}".to_vec())
         .with_user_property("message-id", "dated")
         .with_user_property("sent-at", sent.to_string());
     let undated =
-        Incoming::new("orders/2", b"{}".to_vec()).with_user_property("message-id", "undated");
+        Inbound::new("orders/2", b"{}".to_vec()).with_user_property("message-id", "undated");
     let ex = UserProperty::default();
-    let offer = |inbox: &mut Inbox, msg: &Incoming| {
+    let offer = |inbox: &mut Inbox, msg: &Inbound| {
         let id = ex.extract(msg).unwrap();
         let mut d = Delivery::new(scope, &id.message_id, &msg.topic, &msg.payload);
         if let Some(t) = id.sent_at {

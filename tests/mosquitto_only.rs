@@ -51,8 +51,8 @@ fn main() {
             inventory::tls_and_a_password_from_a_file_or_the_environment_connect_and_the_password_is_never_logged,
         ),
         (
-            "inventory::an_idle_exit_waits_until_the_broker_is_back_and_confirmed_every_announcement",
-            inventory::an_idle_exit_waits_until_the_broker_is_back_and_confirmed_every_announcement,
+            "inventory::an_idle_run_that_never_reaches_the_broker_fails_and_the_next_confirms_every_announcement",
+            inventory::an_idle_run_that_never_reaches_the_broker_fails_and_the_next_confirms_every_announcement,
         ),
     ])
 }

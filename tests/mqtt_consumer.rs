@@ -165,12 +165,18 @@ fn bad_json_is_dead_lettered_after_retries_and_oversized_payloads_are_quarantine
         (
             s.processed,
             s.handler_failures,
+            s.failed_attempts,
             s.dead_lettered,
             s.quarantined,
             s.acked
         ),
-        (2, 3, 1, 1, 4),
-        "{s:?}"
+        (2, 1, 3, 1, 1, 4),
+        "one delivery failed, in three attempts: {s:?}"
+    );
+    assert_eq!(
+        s.handler_failures + s.processed + s.quarantined,
+        4,
+        "the summary counts deliveries, each once: {s:?}"
     );
     assert_eq!(reserved(&db, SCOPE, "D-4"), 2);
     let inbox = c.into_inbox();

@@ -607,3 +607,34 @@ fn an_idle_exit_waits_for_stored_events_a_killed_run_left_under_lease_and_applie
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn a_plain_run_on_a_file_with_stored_deliveries_says_how_many_wait_and_what_applies_them() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inv.db");
+    // What a receive-only run stored and no worker applied yet.
+    let mut inbox = edge_inbox::Inbox::open(&db, edge_inbox::Config::default()).unwrap();
+    for order in 1..=2 {
+        let (id, body) = (
+            event_id(order, "created"),
+            event(order, "W-1", 1, "created"),
+        );
+        let d = edge_inbox::Delivery::new(SCOPE, &id, "orders/1", body.as_bytes());
+        assert!(matches!(
+            inbox.receive(&d).unwrap(),
+            edge_inbox::Outcome::Received
+        ));
+    }
+    drop(inbox);
+    let mut cmd = run_cmd(&broker.addr(), &db, "inv-plain", &["--exit-when-idle", "1"]);
+    cmd.env("RUST_LOG", "warn");
+    let out = inventory_support::spawn_cmd(cmd).success(Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("holds 2 stored deliveries waiting to be applied")
+            && stderr.contains("Worker on scope"),
+        "{stderr}"
+    );
+    assert_eq!(report(&db)["pending"], 2, "a plain run leaves them pending");
+}

@@ -1,9 +1,8 @@
 //! Broker connection: options, the rumqttc client for MQTT 5 or 3.1.1, and the thread that polls it.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::SyncSender;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -11,7 +10,9 @@ use rumqttc::v5::mqttbytes::v5 as p5;
 use rumqttc::v5::mqttbytes::QoS as Q5;
 use rumqttc::{QoS, TlsConfiguration, Transport};
 
-use crate::mqtt::extract::Incoming;
+use crate::mqtt::driver::Feed;
+use crate::mqtt::gate::PubAckSender;
+use crate::store::error::Error;
 
 /// MQTT protocol version spoken to the broker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -107,7 +108,7 @@ impl MqttConfig {
             keep_alive: Duration::from_secs(30),
             session_expiry: 7 * 24 * 3600,
             inflight: 20,
-            max_packet: MQTT_MAX_PACKET,
+            max_packet: DEFAULT_MAX_PACKET,
             credentials: None,
             tls: None,
         }
@@ -148,10 +149,17 @@ impl MqttConfig {
         self
     }
 
-    /// Largest packet accepted from the broker, in bytes. Default: the MQTT maximum (256 MiB), so that a
-    /// delivery over the inbox [`Limits`](crate::Limits) still arrives and is quarantined instead of failing
-    /// the connection again at every redelivery. Lower it only together with the broker's own message size
-    /// limit: with MQTT 5 the broker drops what exceeds it, with 3.1.1 such a delivery stalls the session.
+    /// Largest packet accepted from the broker, in bytes. Default [`DEFAULT_MAX_PACKET`] (1 MiB + 64 KiB:
+    /// the default payload limit plus room for topic and properties), so a publisher cannot make the
+    /// consumer hold large packets in memory. A delivery up to this size but over the inbox
+    /// [`Limits`](crate::Limits) arrives and is quarantined; a larger one is never read: with MQTT 5 the
+    /// size is sent in CONNECT and the broker drops such a message (mosquitto discards it and logs
+    /// "Dropping too large outgoing PUBLISH"; it is not redelivered. mosquitto 2.0.11 drops only an
+    /// inflight window's worth per connection: what is queued behind waits for the next connection);
+    /// a broker that ignores the announced size is treated like 3.1.1; with 3.1.1 the client cannot announce it, rumqttc drops the
+    /// connection when the packet's header arrives and the broker redelivers it at every reconnect, which
+    /// stalls the session (logged as an error naming the size): there, set the broker's own limit
+    /// (mosquitto `message_size_limit`) at or below this one. At least 1024, at most the MQTT maximum.
     pub fn max_packet_size(mut self, bytes: u32) -> Self {
         self.max_packet = bytes.clamp(1024, MQTT_MAX_PACKET);
         self
@@ -190,70 +198,22 @@ impl MqttConfig {
     }
 }
 
-/// What the poll thread hands to the consumer thread.
-pub(crate) enum Event {
-    /// A (re)connection was accepted; everything received before it is stale and must not be acked.
-    Connected { epoch: u64, session_present: bool },
-    /// A publish received on connection `epoch`. `token` is `None` for QoS0 (nothing to ack).
-    Publish {
-        epoch: u64,
-        incoming: Incoming,
-        token: Option<AckToken>,
-    },
-}
-
-/// What a PUBACK needs: the packet id of a QoS1 publish (only ever acked on the connection it came on).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct AckToken(u16);
-
-/// The sending half of a connection, owned by the consumer thread.
+/// The sending half of the consumer's connection, owned by the commit thread.
 pub(crate) enum Client {
     V4(rumqttc::Client),
     V5(rumqttc::v5::Client),
 }
 
-/// What [`Client::try_ack_on`] did with a PUBACK.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum AckQueued {
-    /// In rumqttc's request queue, for the connection it came on.
-    Queued,
-    /// The request queue is full (or closed): try again after draining deliveries.
-    Full,
-    /// The connection it came on has ended: never to be sent.
-    Stale,
+impl PubAckSender for Client {
+    fn try_puback(&self, packet_id: u16) -> bool {
+        match self {
+            Client::V4(c) => c.try_puback(packet_id),
+            Client::V5(c) => c.try_puback(packet_id),
+        }
+    }
 }
 
 impl Client {
-    /// Queues the PUBACK of a delivery received on connection `epoch`, if that connection is still the
-    /// current one, without blocking. See [`Shared`] for why the check and the queueing are one step.
-    pub(crate) fn try_ack_on(&self, shared: &Shared, epoch: u64, token: AckToken) -> AckQueued {
-        let current = shared.lock();
-        if *current != epoch {
-            return AckQueued::Stale;
-        }
-        if self.try_ack(token) {
-            AckQueued::Queued
-        } else {
-            AckQueued::Full
-        }
-    }
-
-    /// Queues the PUBACK without blocking: `false` when rumqttc's request channel is full (or closed).
-    fn try_ack(&self, token: AckToken) -> bool {
-        match self {
-            Client::V4(c) => {
-                let mut p = rumqttc::Publish::new("", QoS::AtLeastOnce, Vec::new());
-                p.pkid = token.0;
-                c.try_ack(&p).is_ok()
-            }
-            Client::V5(c) => {
-                let mut p = p5::Publish::new("", Q5::AtLeastOnce, Vec::new(), None);
-                p.pkid = token.0;
-                c.try_ack(&p).is_ok()
-            }
-        }
-    }
-
     /// Queues a DISCONNECT behind the PUBACKs already queued (rumqttc writes its requests in order).
     /// `false` when the request channel is full (or closed).
     pub(crate) fn try_disconnect(&self) -> bool {
@@ -264,51 +224,10 @@ impl Client {
     }
 }
 
-/// Shared between the poll thread and the consumer: the connection epoch, the stop flag and the count of
-/// PUBACKs written to a socket.
-///
-/// The epoch changes under its lock, and the poll thread purges rumqttc's request queue of PUBACKs while
-/// still holding it; [`Client::try_ack_on`] checks the epoch and queues the PUBACK under the same lock. So a
-/// PUBACK in that queue was always queued for the connection rumqttc currently writes to: when the
-/// connection ends, it is purged before anyone can take the new epoch for it.
-pub(crate) struct Shared {
-    epoch: Mutex<u64>,
-    pub(crate) stop: Arc<AtomicBool>,
-    acks_written: AtomicU64,
-}
-
-impl Shared {
-    pub(crate) fn new() -> Shared {
-        Shared {
-            epoch: Mutex::new(0),
-            stop: Arc::new(AtomicBool::new(false)),
-            acks_written: AtomicU64::new(0),
-        }
-    }
-
-    /// The current connection epoch (odd gaps mark the time between a lost connection and the next).
-    pub(crate) fn epoch(&self) -> u64 {
-        *self.lock()
-    }
-
-    /// PUBACKs rumqttc wrote (and flushed) to a connection so far.
-    pub(crate) fn acks_written(&self) -> u64 {
-        self.acks_written.load(Ordering::SeqCst)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, u64> {
-        // The guarded value is a counter: a panic elsewhere cannot leave it inconsistent.
-        self.epoch.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Starts a new epoch and, under the same lock, runs `purge` (which drops what belongs to the old one).
-    fn next_epoch(&self, purge: impl FnOnce()) -> u64 {
-        let mut epoch = self.lock();
-        *epoch += 1;
-        purge();
-        *epoch
-    }
-}
+/// Largest packet accepted from the broker by default: the default payload limit
+/// ([`Limits::max_payload_len`](crate::Limits::max_payload_len), 1 MiB) plus 64 KiB for the topic and
+/// properties, so that a delivery a little over the payload limit still arrives and is quarantined.
+pub const DEFAULT_MAX_PACKET: u32 = (1 << 20) + (64 << 10);
 
 /// Largest packet MQTT can encode (the maximum Remaining Length plus the fixed header).
 const MQTT_MAX_PACKET: u32 = 268_435_455 + 5;
@@ -320,11 +239,12 @@ const REQUEST_CHANNEL_MIN: usize = 1024;
 /// packet id 1 to every SUBSCRIBE; the consumer sends one SUBSCRIBE per connection, so no two are in flight.)
 const CONSUMER_OUTGOING_INFLIGHT: u16 = 1;
 
-/// Creates the client and starts the poll thread, which sends every QoS1 publish and (re)connection to `tx`.
+/// Creates the client and starts the poll thread, which feeds every (re)connection, QoS1 publish and
+/// connection loss to `feed`. Once `closing` is set it hands over no more publishes.
 pub(crate) fn start(
     config: &MqttConfig,
-    tx: SyncSender<Event>,
-    shared: Arc<Shared>,
+    feed: Feed,
+    closing: Arc<AtomicBool>,
 ) -> std::io::Result<(Client, JoinHandle<()>)> {
     // rumqttc's request channel carries our PUBACKs. Roomy (it grows only as used) so queueing one almost
     // never fails: when it is full the consumer must drain deliveries into memory to keep the poll thread
@@ -333,6 +253,7 @@ pub(crate) fn start(
     let cap = (usize::from(config.inflight) * 4).max(REQUEST_CHANNEL_MIN);
     let topics = config.topics.clone();
     let name = format!("mqtt-poll-{}", config.client_id);
+    let max_packet = config.max_packet;
     match config.protocol {
         Protocol::V311 => {
             let mut o = rumqttc::MqttOptions::new(&config.client_id, &config.host, config.port);
@@ -348,7 +269,7 @@ pub(crate) fn start(
             let sub = client.clone();
             let handle = std::thread::Builder::new()
                 .name(name)
-                .spawn(move || poll_v4(conn, sub, topics, tx, shared))?;
+                .spawn(move || poll_v4(conn, sub, topics, feed, closing, max_packet))?;
             Ok((Client::V4(client), handle))
         }
         Protocol::V5 => {
@@ -361,6 +282,8 @@ pub(crate) fn start(
             // The consumer publishes nothing, and rumqttc allocates one slot per outgoing inflight message up
             // front: its default (65,535 slots) is 14 MiB of resident memory.
             o.set_outgoing_inflight_upper_limit(CONSUMER_OUTGOING_INFLIGHT);
+            // Sent in CONNECT: the broker must not send us a larger packet (it drops it instead), and rumqttc
+            // refuses one before reading it, so an oversize publish never reaches memory.
             o.set_max_packet_size(Some(config.max_packet));
             o.set_transport(config.transport());
             if let Some((u, p)) = &config.credentials {
@@ -370,7 +293,7 @@ pub(crate) fn start(
             let sub = client.clone();
             let handle = std::thread::Builder::new()
                 .name(name)
-                .spawn(move || poll_v5(conn, sub, topics, tx, shared))?;
+                .spawn(move || poll_v5(conn, sub, topics, feed, closing, max_packet))?;
             Ok((Client::V5(client), handle))
         }
     }
@@ -416,30 +339,161 @@ fn next_event<T, E>(
     }
 }
 
+/// Why a TLS failure cannot heal by retrying, if it cannot: bad PEM, a certificate either side rejects.
+fn tls_permanent(e: &rumqttc::TlsError) -> Option<String> {
+    match e {
+        rumqttc::TlsError::Io(io) => io_tls_permanent(io),
+        other => Some(format!("TLS set-up failed: {other}")),
+    }
+}
+
+/// A handshake failure is an I/O error wrapping the rustls error; a PEM that does not parse is
+/// `InvalidData`.
+fn io_tls_permanent(io: &std::io::Error) -> Option<String> {
+    if let Some(tls) = io.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+        return Some(format!("TLS handshake failed: {tls}"));
+    }
+    (io.kind() == std::io::ErrorKind::InvalidData)
+        .then(|| format!("TLS material does not parse: {io}"))
+}
+
+fn v4_permanent(e: &rumqttc::ConnectionError) -> Option<String> {
+    use rumqttc::{ConnectReturnCode as C, ConnectionError as E};
+    match e {
+        E::ConnectionRefused(code @ (C::BadUserNamePassword | C::NotAuthorized | C::BadClientId)) => Some(
+            format!("the broker refused the connection: {code:?} (check the username, password and client id)"),
+        ),
+        E::ConnectionRefused(code @ C::RefusedProtocolVersion) => {
+            Some(format!("the broker refused the connection: {code:?}"))
+        }
+        E::Tls(t) => tls_permanent(t),
+        E::Io(io) => io_tls_permanent(io),
+        _ => None,
+    }
+}
+
+fn v5_permanent(e: &rumqttc::v5::ConnectionError) -> Option<String> {
+    use rumqttc::v5::mqttbytes::v5::ConnectReturnCode as C;
+    use rumqttc::v5::ConnectionError as E;
+    match e {
+        E::ConnectionRefused(
+            code @ (C::BadUserNamePassword
+            | C::NotAuthorized
+            | C::BadClientId
+            | C::ClientIdentifierNotValid
+            | C::Banned
+            | C::BadAuthenticationMethod),
+        ) => Some(format!(
+            "the broker refused the connection: {code:?} (check the username, password and client id)"
+        )),
+        E::ConnectionRefused(
+            code @ (C::RefusedProtocolVersion | C::UnsupportedProtocolVersion),
+        ) => Some(format!("the broker refused the connection: {code:?}")),
+        E::Tls(t) => tls_permanent(t),
+        E::Io(io) => io_tls_permanent(io),
+        _ => None,
+    }
+}
+
+/// The size a publish was refused for, when rumqttc dropped the connection over it.
+fn oversize_v4(e: &rumqttc::ConnectionError) -> Option<usize> {
+    match e {
+        rumqttc::ConnectionError::MqttState(rumqttc::StateError::Deserialization(
+            rumqttc::mqttbytes::Error::PayloadSizeLimitExceeded(n),
+        )) => Some(*n),
+        _ => None,
+    }
+}
+
+fn oversize_v5(e: &rumqttc::v5::ConnectionError) -> Option<usize> {
+    use rumqttc::v5::mqttbytes::Error as M;
+    match e {
+        rumqttc::v5::ConnectionError::MqttState(rumqttc::v5::StateError::Deserialization(
+            M::PayloadSizeLimitExceeded { pkt_size, .. },
+        )) => Some(*pkt_size),
+        _ => None,
+    }
+}
+
+/// A connection error, read for what matters to the poll thread.
+struct Failure {
+    /// Why it cannot heal by retrying, if it cannot.
+    permanent: Option<String>,
+    /// The size of a packet rumqttc refused.
+    oversize: Option<usize>,
+    shown: String,
+}
+
+/// What the poll thread does after a connection error: ends (the run fails, or is stopping) or retries.
+fn after_error(
+    feed: &Feed,
+    closing: &AtomicBool,
+    connected_once: bool,
+    failure: Failure,
+    max_packet: u32,
+    backoff: &mut Duration,
+) -> bool {
+    let Failure {
+        permanent,
+        oversize,
+        shown,
+    } = failure;
+    if closing.load(Ordering::SeqCst) {
+        log::debug!("connection to the broker closed while stopping: {shown}");
+        return false;
+    }
+    if let (false, Some(why)) = (connected_once, permanent) {
+        log::error!("cannot connect to the broker: {why}");
+        let _ = feed.fail(Error::Connection(why));
+        return false;
+    }
+    if let Some(n) = oversize {
+        log::error!(
+            "the broker sent a packet of {n} bytes, over the maximum packet size of {max_packet}: the \
+             connection is dropped and the broker redelivers it at every reconnect. With MQTT 3.1.1 the broker \
+             must refuse such messages itself (mosquitto: message_size_limit); or raise max_packet_size"
+        );
+    }
+    log::warn!("connection to the broker lost or refused: {shown}; retrying in {backoff:?}");
+    nap(*backoff, closing);
+    *backoff = backoff_next(*backoff);
+    true
+}
+
 fn poll_v4(
     mut conn: rumqttc::Connection,
     client: rumqttc::Client,
     topics: Vec<String>,
-    tx: SyncSender<Event>,
-    shared: Arc<Shared>,
+    mut feed: Feed,
+    closing: Arc<AtomicBool>,
+    max_packet: u32,
 ) {
     use rumqttc::{Event as E, Outgoing, Packet};
     let mut backoff = FIRST_BACKOFF;
-    let mut epoch = shared.epoch();
     let mut stopping_since = None;
+    let mut connected_once = false;
+    // The last connection ended over a packet too large to read: the broker sends it again at once, so
+    // the backoff keeps growing across such connections instead of reconnecting ten times a second.
+    let mut refused_oversize = false;
     loop {
-        let next = next_event(&mut stopping_since, &shared.stop, |wait| match wait {
+        let next = next_event(&mut stopping_since, &closing, |wait| match wait {
             None => conn.recv().ok(),
             Some(d) => conn.recv_timeout(d).ok(),
         });
         let Some(next) = next else { return };
         match next {
             Ok(E::Incoming(Packet::ConnAck(ack))) => {
-                backoff = FIRST_BACKOFF;
-                epoch = shared.next_epoch(|| ());
+                if !refused_oversize {
+                    backoff = FIRST_BACKOFF;
+                }
+                connected_once = true;
+                let Ok(c) = feed.connected(ack.session_present) else {
+                    return;
+                };
                 log::info!(
-                    "connected (session present: {}), connection epoch {epoch}",
-                    ack.session_present
+                    "connected (session present: {}), connection {}",
+                    ack.session_present,
+                    c.0
                 );
                 // Always: a kept session may lack a filter added to the configuration since.
                 let filters = topics
@@ -448,39 +502,18 @@ fn poll_v4(
                 if let Err(e) = client.try_subscribe_many(filters) {
                     log::error!("could not queue the subscription: {e}");
                 }
-                if tx
-                    .send(Event::Connected {
-                        epoch,
-                        session_present: ack.session_present,
-                    })
-                    .is_err()
-                {
-                    return;
-                }
             }
-            Ok(E::Incoming(Packet::Publish(mut p))) => {
-                if shared.stop.load(Ordering::SeqCst) {
+            Ok(E::Incoming(Packet::Publish(p))) => {
+                if closing.load(Ordering::SeqCst) {
                     // Never to be committed by this run: left unacked for the broker to redeliver.
                     continue;
                 }
-                let payload = std::mem::take(&mut p.payload).to_vec();
-                let incoming = Incoming::new(std::mem::take(&mut p.topic), payload);
-                let token = (p.qos == QoS::AtLeastOnce).then_some(AckToken(p.pkid));
-                if tx
-                    .send(Event::Publish {
-                        epoch,
-                        incoming,
-                        token,
-                    })
-                    .is_err()
-                {
+                if feed.publish_v311(p).is_err() {
                     return;
                 }
             }
-            Ok(E::Outgoing(Outgoing::PubAck(_))) => {
-                shared.acks_written.fetch_add(1, Ordering::SeqCst);
-            }
-            Ok(E::Outgoing(Outgoing::Disconnect)) if shared.stop.load(Ordering::SeqCst) => {
+            Ok(E::Outgoing(Outgoing::PubAck(_))) => feed.gate().note_ack_written(),
+            Ok(E::Outgoing(Outgoing::Disconnect)) if closing.load(Ordering::SeqCst) => {
                 // Not closed yet: the broker still sends into our socket, and closing it with unread data
                 // would reset the connection, discarding the last PUBACKs and the DISCONNECT before the
                 // broker reads them. Read on until the broker closes it (an error, below).
@@ -490,29 +523,25 @@ fn poll_v4(
             Err(e) => {
                 // Before anything else: nothing of the old connection may be acked or handed over any more.
                 // rumqttc keeps publishes it read before the error and yields them after the next ConnAck.
-                let el = &mut conn.eventloop;
-                epoch = shared.next_epoch(|| {
-                    el.clean();
-                    let written = el
-                        .state
-                        .events
-                        .iter()
-                        .filter(|e| matches!(e, E::Outgoing(Outgoing::PubAck(_))))
-                        .count();
-                    shared
-                        .acks_written
-                        .fetch_add(written as u64, Ordering::SeqCst);
-                    el.state.events.clear();
-                });
-                if shared.stop.load(Ordering::SeqCst) {
-                    log::debug!("connection to the broker closed while stopping: {e}");
+                if feed.lost_v311(&mut conn.eventloop).is_err() {
                     return;
                 }
-                log::warn!(
-                    "connection to the broker lost or refused: {e}; retrying in {backoff:?}"
-                );
-                nap(backoff, &shared.stop);
-                backoff = backoff_next(backoff);
+                refused_oversize = oversize_v4(&e).is_some();
+                let failure = Failure {
+                    permanent: v4_permanent(&e),
+                    oversize: oversize_v4(&e),
+                    shown: e.to_string(),
+                };
+                if !after_error(
+                    &feed,
+                    &closing,
+                    connected_once,
+                    failure,
+                    max_packet,
+                    &mut backoff,
+                ) {
+                    return;
+                }
             }
         }
     }
@@ -522,27 +551,37 @@ fn poll_v5(
     mut conn: rumqttc::v5::Connection,
     client: rumqttc::v5::Client,
     topics: Vec<String>,
-    tx: SyncSender<Event>,
-    shared: Arc<Shared>,
+    mut feed: Feed,
+    closing: Arc<AtomicBool>,
+    max_packet: u32,
 ) {
     use rumqttc::v5::{Event as E, Incoming as Packet};
     use rumqttc::Outgoing;
     let mut backoff = FIRST_BACKOFF;
-    let mut epoch = shared.epoch();
     let mut stopping_since = None;
+    let mut connected_once = false;
+    // The last connection ended over a packet too large to read: the broker sends it again at once, so
+    // the backoff keeps growing across such connections instead of reconnecting ten times a second.
+    let mut refused_oversize = false;
     loop {
-        let next = next_event(&mut stopping_since, &shared.stop, |wait| match wait {
+        let next = next_event(&mut stopping_since, &closing, |wait| match wait {
             None => conn.recv().ok(),
             Some(d) => conn.recv_timeout(d).ok(),
         });
         let Some(next) = next else { return };
         match next {
             Ok(E::Incoming(Packet::ConnAck(ack))) => {
-                backoff = FIRST_BACKOFF;
-                epoch = shared.next_epoch(|| ());
+                if !refused_oversize {
+                    backoff = FIRST_BACKOFF;
+                }
+                connected_once = true;
+                let Ok(c) = feed.connected(ack.session_present) else {
+                    return;
+                };
                 log::info!(
-                    "connected (session present: {}), connection epoch {epoch}",
-                    ack.session_present
+                    "connected (session present: {}), connection {}",
+                    ack.session_present,
+                    c.0
                 );
                 // Always: a kept session may lack a filter added to the configuration since.
                 let filters = topics
@@ -551,43 +590,18 @@ fn poll_v5(
                 if let Err(e) = client.try_subscribe_many(filters) {
                     log::error!("could not queue the subscription: {e}");
                 }
-                if tx
-                    .send(Event::Connected {
-                        epoch,
-                        session_present: ack.session_present,
-                    })
-                    .is_err()
-                {
-                    return;
-                }
             }
-            Ok(E::Incoming(Packet::Publish(mut p))) => {
-                if shared.stop.load(Ordering::SeqCst) {
+            Ok(E::Incoming(Packet::Publish(p))) => {
+                if closing.load(Ordering::SeqCst) {
                     // Never to be committed by this run: left unacked for the broker to redeliver.
                     continue;
                 }
-                let payload = std::mem::take(&mut p.payload).to_vec();
-                let topic = String::from_utf8_lossy(&p.topic).into_owned();
-                let mut incoming = Incoming::new(topic, payload);
-                if let Some(props) = p.properties.as_mut() {
-                    incoming.user_properties = std::mem::take(&mut props.user_properties);
-                }
-                let token = (p.qos == Q5::AtLeastOnce).then_some(AckToken(p.pkid));
-                if tx
-                    .send(Event::Publish {
-                        epoch,
-                        incoming,
-                        token,
-                    })
-                    .is_err()
-                {
+                if feed.publish_v5(p).is_err() {
                     return;
                 }
             }
-            Ok(E::Outgoing(Outgoing::PubAck(_))) => {
-                shared.acks_written.fetch_add(1, Ordering::SeqCst);
-            }
-            Ok(E::Outgoing(Outgoing::Disconnect)) if shared.stop.load(Ordering::SeqCst) => {
+            Ok(E::Outgoing(Outgoing::PubAck(_))) => feed.gate().note_ack_written(),
+            Ok(E::Outgoing(Outgoing::Disconnect)) if closing.load(Ordering::SeqCst) => {
                 // Not closed yet: the broker still sends into our socket, and closing it with unread data
                 // would reset the connection, discarding the last PUBACKs and the DISCONNECT before the
                 // broker reads them. Read on until the broker closes it (an error, below).
@@ -596,29 +610,25 @@ fn poll_v5(
             Ok(_) => {}
             Err(e) => {
                 // Before anything else: nothing of the old connection may be acked or handed over any more.
-                let el = &mut conn.eventloop;
-                epoch = shared.next_epoch(|| {
-                    el.clean();
-                    let written = el
-                        .state
-                        .events
-                        .iter()
-                        .filter(|e| matches!(e, E::Outgoing(Outgoing::PubAck(_))))
-                        .count();
-                    shared
-                        .acks_written
-                        .fetch_add(written as u64, Ordering::SeqCst);
-                    el.state.events.clear();
-                });
-                if shared.stop.load(Ordering::SeqCst) {
-                    log::debug!("connection to the broker closed while stopping: {e}");
+                if feed.lost_v5(&mut conn.eventloop).is_err() {
                     return;
                 }
-                log::warn!(
-                    "connection to the broker lost or refused: {e}; retrying in {backoff:?}"
-                );
-                nap(backoff, &shared.stop);
-                backoff = backoff_next(backoff);
+                refused_oversize = oversize_v5(&e).is_some();
+                let failure = Failure {
+                    permanent: v5_permanent(&e),
+                    oversize: oversize_v5(&e),
+                    shown: e.to_string(),
+                };
+                if !after_error(
+                    &feed,
+                    &closing,
+                    connected_once,
+                    failure,
+                    max_packet,
+                    &mut backoff,
+                ) {
+                    return;
+                }
             }
         }
     }

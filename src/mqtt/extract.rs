@@ -6,10 +6,11 @@ use ciborium::Value;
 
 use crate::store::error::InvalidDelivery;
 
-/// One QoS1 publish as received, owned, before its identity is known.
+/// One QoS1 publish as received, owned, before its identity is known. Built from rumqttc's publishes with
+/// `Inbound::from` (MQTT 5 and 3.1.1; feature `mqtt`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Incoming {
+pub struct Inbound {
     /// Topic name of the publish.
     pub topic: String,
     /// Payload bytes.
@@ -18,10 +19,14 @@ pub struct Incoming {
     pub user_properties: Vec<(String, String)>,
 }
 
-impl Incoming {
+/// The former name of [`Inbound`] (it clashed with `rumqttc::v5::Incoming`).
+#[deprecated(since = "0.2.0", note = "renamed to `Inbound`")]
+pub type Incoming = Inbound;
+
+impl Inbound {
     /// A publish without user properties.
-    pub fn new(topic: impl Into<String>, payload: impl Into<Vec<u8>>) -> Incoming {
-        Incoming {
+    pub fn new(topic: impl Into<String>, payload: impl Into<Vec<u8>>) -> Inbound {
+        Inbound {
             topic: topic.into(),
             payload: payload.into(),
             user_properties: Vec::new(),
@@ -33,7 +38,7 @@ impl Incoming {
         mut self,
         name: impl Into<String>,
         value: impl Into<String>,
-    ) -> Incoming {
+    ) -> Inbound {
         self.user_properties.push((name.into(), value.into()));
         self
     }
@@ -83,15 +88,15 @@ impl Identity {
 /// Finds the identity of an incoming publish. An `Err` is bad input: the consumer quarantines the publish
 /// (topic, payload, reason) and acks it, so it is kept for an operator and does not block the stream.
 ///
-/// Any `Fn(&Incoming) -> Result<Identity, InvalidDelivery> + Send` is an extractor, for identities carried
+/// Any `Fn(&Inbound) -> Result<Identity, InvalidDelivery> + Send` is an extractor, for identities carried
 /// elsewhere (a field of a JSON payload, say).
 pub trait ExtractIdentity: Send {
     /// The identity of `msg`, or why it has none.
-    fn extract(&self, msg: &Incoming) -> Result<Identity, InvalidDelivery>;
+    fn extract(&self, msg: &Inbound) -> Result<Identity, InvalidDelivery>;
 }
 
-impl<F: Fn(&Incoming) -> Result<Identity, InvalidDelivery> + Send> ExtractIdentity for F {
-    fn extract(&self, msg: &Incoming) -> Result<Identity, InvalidDelivery> {
+impl<F: Fn(&Inbound) -> Result<Identity, InvalidDelivery> + Send> ExtractIdentity for F {
+    fn extract(&self, msg: &Inbound) -> Result<Identity, InvalidDelivery> {
         self(msg)
     }
 }
@@ -107,8 +112,8 @@ impl<F: Fn(&Incoming) -> Result<Identity, InvalidDelivery> + Send> ExtractIdenti
 /// undated.
 ///
 /// ```
-/// use edge_inbox::{ExtractIdentity, Incoming, UserProperty};
-/// let msg = Incoming::new("orders/42", b"{}".to_vec())
+/// use edge_inbox::{ExtractIdentity, Inbound, UserProperty};
+/// let msg = Inbound::new("orders/42", b"{}".to_vec())
 ///     .with_user_property("message-id", "evt-42-created")
 ///     .with_user_property("sent-at", "2026-01-01T00:00:00Z");
 /// let id = UserProperty::default().extract(&msg).unwrap();
@@ -250,7 +255,7 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
 }
 
 impl ExtractIdentity for UserProperty {
-    fn extract(&self, msg: &Incoming) -> Result<Identity, InvalidDelivery> {
+    fn extract(&self, msg: &Inbound) -> Result<Identity, InvalidDelivery> {
         let id = msg
             .user_property(&self.id)
             .ok_or(InvalidDelivery::MissingId)?;
@@ -295,9 +300,9 @@ impl ExtractIdentity for UserProperty {
 /// envelopes with the same `id` and `body` are the same delivery, and a changed `body` is a conflict.
 ///
 /// ```
-/// use edge_inbox::{Envelope, ExtractIdentity, Incoming};
+/// use edge_inbox::{Envelope, ExtractIdentity, Inbound};
 /// let payload = Envelope::new("evt-42-created", br#"{"order":42}"#.to_vec()).producer("shop-1").encode();
-/// let id = Envelope::default().extract(&Incoming::new("orders/42", payload)).unwrap();
+/// let id = Envelope::default().extract(&Inbound::new("orders/42", payload)).unwrap();
 /// assert_eq!(id.message_id, "evt-42-created");
 /// assert_eq!(id.body.as_deref(), Some(&br#"{"order":42}"#[..]));
 /// ```
@@ -407,7 +412,7 @@ impl Envelope {
 
 impl ExtractIdentity for Envelope {
     /// Ignores `self`'s fields: the extractor is `Envelope::default()`.
-    fn extract(&self, msg: &Incoming) -> Result<Identity, InvalidDelivery> {
+    fn extract(&self, msg: &Inbound) -> Result<Identity, InvalidDelivery> {
         let env = Envelope::decode(&msg.payload)?;
         Ok(Identity {
             message_id: env.id,
@@ -455,7 +460,7 @@ mod tests {
 
     #[test]
     fn user_property_names_are_configurable() {
-        let msg = Incoming::new("t", b"x".to_vec())
+        let msg = Inbound::new("t", b"x".to_vec())
             .with_user_property("msg", "42")
             .with_user_property("src", "s1");
         assert_eq!(
@@ -493,7 +498,7 @@ mod tests {
         ] {
             assert!(parse_sent_at(bad).is_err(), "{bad:?}");
         }
-        let msg = Incoming::new("t", b"x".to_vec())
+        let msg = Inbound::new("t", b"x".to_vec())
             .with_user_property("message-id", "m")
             .with_user_property("sent-at", "yesterday");
         assert!(matches!(

@@ -1,5 +1,7 @@
-//! The MQTT adapter over the core: connection, consumer loop, in-order acks and the outbox relay. Identity
-//! extraction reads plain data ([`Incoming`](extract::Incoming)) and is compiled without the `mqtt` feature.
+//! The MQTT adapter over the core: the connection-agnostic consumer core and the gate its acks pass, the
+//! commit loop and its feed, the crate's own connection and consumer, in-order acks and the outbox relay.
+//! Identity extraction reads plain data ([`Inbound`](extract::Inbound)) and is compiled without the `mqtt`
+//! feature.
 
 #[cfg(feature = "mqtt")]
 pub(crate) mod ack_queue;
@@ -7,6 +9,12 @@ pub(crate) mod ack_queue;
 pub(crate) mod conn;
 #[cfg(feature = "mqtt")]
 pub(crate) mod consumer;
+#[cfg(feature = "mqtt")]
+pub(crate) mod core;
+#[cfg(feature = "mqtt")]
+pub(crate) mod driver;
 pub(crate) mod extract;
+#[cfg(feature = "mqtt")]
+pub(crate) mod gate;
 #[cfg(feature = "mqtt")]
 pub(crate) mod relay;

@@ -136,6 +136,9 @@ pub enum Error {
     Codec(String),
     /// An argument given to the inbox is invalid (e.g. an empty scope name in a query).
     InvalidArgument(String),
+    /// The MQTT connection cannot succeed by retrying (the broker refused the credentials or the client id,
+    /// TLS material that does not parse or a certificate rejected), or never succeeded in time.
+    Connection(String),
     /// The inbox's transaction ended while a handler ran: the handler ran `COMMIT` or `ROLLBACK` through
     /// [`Tx::sql`](crate::Tx::sql), or SQLite rolled it back by itself (a trigger's `RAISE(ROLLBACK)`,
     /// `INSERT OR ROLLBACK`). Nothing the handler wrote committed; the batch failed and nothing of it may be
@@ -224,6 +227,7 @@ impl fmt::Display for Error {
             Error::InvalidDelivery(why) => write!(f, "invalid delivery: {why}"),
             Error::Codec(why) => write!(f, "state value codec error: {why}"),
             Error::InvalidArgument(why) => write!(f, "invalid argument: {why}"),
+            Error::Connection(why) => write!(f, "MQTT connection failed: {why}"),
             Error::HandlerEndedTransaction => {
                 f.write_str("the handler ended the inbox's transaction; batch not acknowledged")
             }

@@ -1,12 +1,9 @@
 //! The inventory example against mosquitto's own features: a TLS listener with a password file, and a
 //! broker that is away while the run wants to exit.
-use std::io::{BufRead, BufReader};
-use std::process::Stdio;
-use std::sync::mpsc;
 use std::time::Duration;
 
 use crate::broker::Broker;
-use crate::inventory_support::{event, event_id, report, run_cmd, spawn_cmd, Guard, SCOPE};
+use crate::inventory_support::{event, event_id, report, run_cmd, spawn_cmd, SCOPE};
 
 const PASSWORD: &str = "s3cret-pw";
 
@@ -73,9 +70,34 @@ pub fn tls_and_a_password_from_a_file_or_the_environment_connect_and_the_passwor
             &event_id(1, "created"),
         ]);
     }
-    // A wrong password from the environment: refused, nothing consumed.
-    let refused = run(&["--exit-when-idle", "2"], Some("wrong"));
-    assert!(!refused.contains("connected (session present"), "{refused}");
+    // A wrong password from the environment, or a CA that did not sign the broker's certificate: errors
+    // that retrying cannot heal. The run (without an idle limit, so it would otherwise run for ever) exits
+    // non-zero at once, saying why; nothing consumed.
+    let server_crt = broker.dir.path().join("server.crt");
+    for (flags, password, cause) in [
+        (tls.to_vec(), "wrong", "the broker refused the connection"),
+        (
+            vec![
+                "--tls-ca",
+                server_crt.to_str().unwrap(),
+                "--username",
+                "gateway",
+            ],
+            PASSWORD,
+            "TLS handshake failed",
+        ),
+    ] {
+        let mut cmd = run_cmd(&addr, &db, "inv-tls", &flags);
+        cmd.env("MQTT_PASSWORD", password);
+        let out = spawn_cmd(cmd).wait(Duration::from_secs(60));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{stderr}");
+        assert!(
+            stderr.contains("MQTT connection failed") && stderr.contains(cause),
+            "the error names the cause ({cause}):\n{stderr}"
+        );
+        assert!(!stderr.contains("connected (session present"), "{stderr}");
+    }
     assert_eq!(report(&db)["processed"], 0);
 
     // The right one from the environment; the relay connects with the same TLS settings and login.
@@ -93,7 +115,7 @@ pub fn tls_and_a_password_from_a_file_or_the_environment_connect_and_the_passwor
     );
 }
 
-pub fn an_idle_exit_waits_until_the_broker_is_back_and_confirmed_every_announcement() {
+pub fn an_idle_run_that_never_reaches_the_broker_fails_and_the_next_confirms_every_announcement() {
     let mut broker = Broker::mosquitto();
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inv.db");
@@ -120,36 +142,32 @@ pub fn an_idle_exit_waits_until_the_broker_is_back_and_confirmed_every_announcem
     assert_eq!(inbox.outbox_backlog().unwrap().pending, 3);
     broker.stop();
 
-    let mut cmd = run_cmd(
-        &broker.addr(),
-        &db,
-        "inv-away",
-        &["--announce", "--exit-when-idle", "1"],
-    );
-    cmd.env("RUST_LOG", "info").stderr(Stdio::piped());
-    let mut child = cmd.stdout(Stdio::null()).spawn().unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let running = Guard(Some(child));
-    let (lines, waiting) = mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        let mut all = String::new();
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains("idle: waiting for 3 announcement(s)") {
-                let _ = lines.send(());
-            }
-            all.push_str(&line);
-            all.push('\n');
-        }
-        all
-    });
-    // The consumer has given up on the absent broker; the run now waits for the relay.
+    // Idle-bounded, and the broker never answers: an error (non-zero, saying so), not a quiet success.
+    let addr = broker.addr();
+    let run = || {
+        let mut cmd = run_cmd(
+            &addr,
+            &db,
+            "inv-away",
+            &["--announce", "--exit-when-idle", "1"],
+        );
+        cmd.env("RUST_LOG", "info");
+        spawn_cmd(cmd).wait(Duration::from_secs(60))
+    };
+    let out = run();
+    let log = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{log}");
     assert!(
-        waiting.recv_timeout(Duration::from_secs(60)).is_ok(),
-        "the run did not wait for its announcements"
+        log.contains("no connection to the broker")
+            && log.contains("succeeded before the idle limit"),
+        "{log}"
     );
+    assert_eq!(report(&db)["outbox_unsent"], 3, "{log}");
+
+    // Once it is back, an idle run waits until the relay has confirmed every announcement.
     broker.start_again();
-    let out = running.wait(Duration::from_secs(60));
-    let log = reader.join().unwrap();
+    let out = run();
+    let log = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "{log}");
     assert_eq!(report(&db)["outbox_unsent"], 0, "{log}");
 }

@@ -1,5 +1,5 @@
 //! TLS (rustls, ring provider) and username/password against a mosquitto TLS listener.
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::broker::{inventory_handler, reserved, Broker};
 use edge_inbox::{Config, Consumer, Inbox, MqttConfig, Tls};
@@ -30,8 +30,22 @@ pub fn tls_with_password_consumes_and_a_wrong_password_never_connects() {
             .exit_when_idle(Duration::from_millis(idle))
     };
 
-    let refused = consumer("wrong", 1500).run(inventory_handler).unwrap();
-    assert_eq!(refused.connections, 0, "{refused:?}");
+    // A refused login cannot heal by retrying: the run ends at once with the cause, not idle with `Ok`.
+    let started = Instant::now();
+    let refused = consumer("wrong", 600_000).run(inventory_handler);
+    match refused {
+        Err(edge_inbox::Error::Connection(why)) => {
+            assert!(
+                why.contains("NotAuthorized") || why.contains("BadUserNamePassword"),
+                "{why}"
+            )
+        }
+        other => panic!("a wrong password must end the run with a connection error: {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(300),
+        "ended before the idle limit"
+    );
 
     // Idle time counts from the connection, whatever the handshake took (slow under an emulator).
     let first = consumer("s3cret-pw", 1000).run(inventory_handler).unwrap();

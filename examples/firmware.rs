@@ -1,0 +1,180 @@
+//! Firmware that already owns its MQTT connection: ONE rumqttc (MQTT 5, sync) client publishes telemetry and
+//! receives commands, and the commands go through the inbox on that same connection.
+//!
+//! The main thread polls the connection and feeds the inbox ([`Feed`]); a commit thread
+//! ([`ConsumerCore::spawn`]) commits each command with its identity and queues its PUBACK, through the feed's
+//! ack gate, only on the connection the command came on; a telemetry thread publishes on the same client.
+//!
+//! ```text
+//! cargo run --example firmware -- --broker 127.0.0.1:1883 --db /tmp/fw.db --device gw7
+//! mosquitto_pub -V mqttv5 -q 1 -t cmd/gw7/add -D publish user-property message-id cmd-1 -m '{"add":5}'
+//! ```
+//!
+//! Commands are JSON `{"add": N}` on `cmd/<device>/...` with the user property `message-id`; the handler adds
+//! N to `sum` and 1 to `count` in the inbox's key-value state, exactly once per message id. SIGINT/SIGTERM stop
+//! it gracefully: the batch in flight is committed and acked, then the client disconnects. On exit it prints
+//! `{"processed":..,"duplicates":..,"telemetry":..}` on stdout; it exits non-zero when the run failed.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use edge_inbox::{Config, ConsumerCore, Delivery, Inbox, Tx};
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::{Client, Event, Incoming, MqttOptions};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Broker address.
+    #[arg(long, default_value = "127.0.0.1:1883")]
+    broker: String,
+    /// The inbox database.
+    #[arg(long)]
+    db: std::path::PathBuf,
+    /// Device name: client id, command topics `cmd/<device>/#`, telemetry topic `telemetry/<device>`.
+    #[arg(long, default_value = "gw7")]
+    device: String,
+    /// Telemetry period in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    telemetry_ms: u64,
+    /// Exit once no command has arrived for this many seconds (tests, batch jobs).
+    #[arg(long)]
+    exit_when_idle: Option<u64>,
+}
+
+const SCOPE: &str = "firmware-commands";
+
+/// Receive Maximum: the broker sends at most this many unacked commands.
+const WINDOW: u16 = 20;
+
+fn apply(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
+    let cmd: serde_json::Value = serde_json::from_slice(d.payload)?;
+    let add = cmd["add"]
+        .as_i64()
+        .ok_or_else(|| anyhow::anyhow!("no \"add\" in command"))?;
+    let sum: i64 = tx.get("sum")?.unwrap_or(0);
+    let count: i64 = tx.get("count")?.unwrap_or(0);
+    tx.put("sum", &(sum + add))?;
+    tx.put("count", &(count + 1))?;
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let args = Args::parse();
+    let (host, port) = args
+        .broker
+        .rsplit_once(':')
+        .ok_or_else(|| anyhow::anyhow!("--broker must be HOST:PORT"))?;
+    let port: u16 = port.parse()?;
+
+    // The firmware's one connection: persistent session and manual acks, which the inbox needs.
+    let mut options = MqttOptions::new(&args.device, host, port);
+    options
+        .set_clean_start(false)
+        .set_manual_acks(true)
+        .set_keep_alive(Duration::from_secs(30));
+    options.set_session_expiry_interval(Some(7 * 24 * 3600));
+    options.set_receive_maximum(Some(WINDOW));
+    options.set_max_packet_size(Some(edge_inbox::DEFAULT_MAX_PACKET));
+    let (client, mut connection) = Client::new(options, 1024);
+
+    let inbox = Inbox::open(&args.db, Config::default())?;
+    let mut core = ConsumerCore::new(inbox, SCOPE);
+    if let Some(idle) = args.exit_when_idle {
+        core = core.exit_when_idle(Duration::from_secs(idle));
+    }
+    let (mut feed, commits) = core.spawn(apply, client.clone(), WINDOW)?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;
+    signal_hook::flag::register(signal_hook::consts::SIGINT, stop.clone())?;
+
+    // Telemetry on the same client, from a thread of its own.
+    let telemetry = Arc::new(AtomicU64::new(0));
+    let telemetry_stop = Arc::new(AtomicBool::new(false));
+    let publisher = {
+        let (client, sent, done) = (client.clone(), telemetry.clone(), telemetry_stop.clone());
+        let topic = format!("telemetry/{}", args.device);
+        let period = Duration::from_millis(args.telemetry_ms);
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                let n = sent.load(Ordering::Relaxed);
+                let body = format!(r#"{{"seq":{n}}}"#);
+                if client
+                    .try_publish(&topic, QoS::AtLeastOnce, false, body)
+                    .is_ok()
+                {
+                    sent.fetch_add(1, Ordering::Relaxed);
+                }
+                std::thread::sleep(period);
+            }
+        })
+    };
+
+    let commands = format!("cmd/{}/#", args.device);
+    let mut backoff = Duration::from_millis(100);
+    let mut stopping_since: Option<Instant> = None;
+    let mut disconnect_queued = false;
+    loop {
+        if stopping_since.is_none() && (stop.load(Ordering::Relaxed) || commits.is_finished()) {
+            // The commit thread finishes its batch and queues the acks; the DISCONNECT goes behind them.
+            commits.stop();
+            telemetry_stop.store(true, Ordering::Relaxed);
+            stopping_since = Some(Instant::now());
+        }
+        if let Some(since) = stopping_since {
+            if commits.is_finished() && !disconnect_queued {
+                disconnect_queued = client.try_disconnect().is_ok();
+            }
+            if since.elapsed() > Duration::from_secs(10) {
+                break;
+            }
+        }
+        match connection.recv_timeout(Duration::from_millis(100)) {
+            Ok(Ok(Event::Incoming(Incoming::ConnAck(ack)))) => {
+                backoff = Duration::from_millis(100);
+                // A closed feed means the commit thread has ended: the check at the top stops the loop.
+                let _ = feed.connected(ack.session_present);
+                // Again at every connect: a kept session may lack a filter added since.
+                client.try_subscribe(commands.as_str(), QoS::AtLeastOnce)?;
+            }
+            Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => {
+                if stopping_since.is_some() {
+                    continue; // not committed by this run: the broker redelivers it
+                }
+                if p.topic.starts_with(b"cmd/") {
+                    let _ = feed.publish_v5(p);
+                } else if p.qos != QoS::AtMostOnce {
+                    // Not for the inbox: acked in turn behind the commands received before it.
+                    let _ = feed.pass_through(p.pkid);
+                }
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                // First: no ack of the old connection may leave on the next one.
+                let _ = feed.lost_v5(&mut connection.eventloop);
+                if stopping_since.is_some() {
+                    break; // the broker closed the connection after our DISCONNECT
+                }
+                log::warn!("connection lost: {e}; retrying in {backoff:?}");
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            Err(rumqttc::v5::RecvTimeoutError::Timeout) => {}
+            Err(rumqttc::v5::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    drop(feed);
+    let _ = publisher.join();
+    let (_core, result) = commits.join();
+    let summary = result?;
+    println!(
+        r#"{{"processed":{},"duplicates":{},"telemetry":{}}}"#,
+        summary.processed,
+        summary.duplicates,
+        telemetry.load(Ordering::Relaxed)
+    );
+    Ok(())
+}

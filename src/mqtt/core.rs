@@ -1,0 +1,781 @@
+//! The consumer's core: what happens between a received PUBLISH and its PUBACK, with no socket and no thread.
+//! The application (or the crate's own [`Consumer`](crate::Consumer)) feeds it deliveries tagged with their
+//! connection and sends the acks it hands back.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::deferred::backlog::BacklogThreshold;
+use crate::inbox::{Handler, Inbox};
+use crate::mqtt::ack_queue::AckQueue;
+use crate::mqtt::extract::{Envelope, ExtractIdentity, Identity, Inbound, UserProperty};
+use crate::mqtt::gate::{Ack, AckGate, ConnectionId};
+use crate::store::error::{Error, Result};
+use crate::store::identity::Delivery;
+use crate::store::outcome::Outcome;
+
+/// Asks a running consumer to stop: it finishes the batch in flight (commit, then its PUBACKs, all
+/// written before the DISCONNECT), disconnects and returns from [`Consumer::run`](crate::Consumer::run).
+/// Cheap to clone; usable from any thread or a signal handler flag.
+#[derive(Debug, Clone, Default)]
+pub struct StopHandle(Arc<AtomicBool>);
+
+impl StopHandle {
+    /// Requests the stop.
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    /// True once a stop was requested.
+    pub fn is_stopped(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    /// The flag itself, e.g. for `signal_hook::flag::register`.
+    pub fn flag(&self) -> Arc<AtomicBool> {
+        self.0.clone()
+    }
+}
+
+/// What one run did. In-memory counts of this run only; the durable totals are in [`Inbox::scope_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RunSummary {
+    /// Publishes received (QoS0 and QoS1).
+    pub received: u64,
+    /// PUBACKs written to the broker connection (with [`ConsumerCore`] alone: acks handed back).
+    pub acked: u64,
+    /// Deliveries whose effect was committed.
+    pub processed: u64,
+    /// Deliveries recognised as duplicates.
+    pub duplicates: u64,
+    /// Deliveries recorded as conflicts.
+    pub conflicts: u64,
+    /// Deliveries whose handler failed at least once (each failed attempt rolled back). A delivery tried
+    /// three times counts once here; [`RunSummary::failed_attempts`] counts the attempts.
+    pub handler_failures: u64,
+    /// Handler attempts that failed, all deliveries together.
+    pub failed_attempts: u64,
+    /// Deliveries moved to the dead letters after the last attempt.
+    pub dead_lettered: u64,
+    /// Deliveries quarantined (no identity, malformed envelope, over a limit).
+    pub quarantined: u64,
+    /// Storage errors met (each retried; nothing acked on their account).
+    pub storage_errors: u64,
+    /// Connections accepted by the broker.
+    pub connections: u64,
+    /// Deliveries dropped unacked because their connection ended (the broker redelivers them).
+    pub dropped_stale: u64,
+    /// Deliveries stored as pending (receive-only mode), to be applied by workers.
+    pub stored: u64,
+    /// Batches committed, each in one transaction (group commit); a batch that failed for good and was
+    /// settled one delivery at a time is not counted.
+    pub batches: u64,
+}
+
+/// One received publish on its way to an ack.
+struct Pending {
+    inbound: Inbound,
+    identity: Option<Identity>,
+    ticket: u64,
+}
+
+/// What a commit attempt came to.
+enum Tried<T> {
+    Done(T),
+    /// The connection ended or a stop came while storage kept failing: nothing may be acked.
+    GaveUp,
+    /// A failure that would repeat (not [retryable](Error::is_retryable)).
+    Failed(Error),
+    /// Storage kept failing for longer than the retry limit: the run must end.
+    Exhausted(Error),
+}
+
+/// The part of an MQTT consumer that owns no connection: identity extraction, limits and quarantine,
+/// group commit, handler retries and dead letters, and acks in arrival order per connection.
+///
+/// It is driven, never drives: the application hands it each delivery with the [`ConnectionId`] it arrived
+/// on ([`ConsumerCore::push`]), says when a connection begins and ends ([`ConsumerCore::connected`],
+/// [`ConsumerCore::connection_lost`]), calls [`ConsumerCore::settle`] to commit what was pushed, and sends
+/// the acks that [`ConsumerCore::pop_ack`] hands back through an [`AckGate`]. It never hands back an ack of a
+/// connection older than the latest one it was told about; the gate covers the rest of the race (a
+/// connection that ends after the ack left the core).
+///
+/// `settle` blocks: it runs SQLite commits (an fsync each) and sleeps between retries. Call it on a thread
+/// of its own, never on an async executor's thread. [`ConsumerCore::spawn`] runs it on such a thread, fed
+/// through a channel; [`Consumer`](crate::Consumer) runs the same loop over a connection of its own.
+pub struct ConsumerCore {
+    pub(crate) inbox: Inbox,
+    pub(crate) scope: String,
+    extractor: Box<dyn ExtractIdentity>,
+    pub(crate) batch_size: usize,
+    pub(crate) linger: Duration,
+    handler_attempts: u32,
+    pub(crate) receive_only: Option<BacklogThreshold>,
+    storage_retry_limit: Duration,
+    pub(crate) stop: StopHandle,
+    pub(crate) exit_when_idle: Option<Duration>,
+    gate: Option<AckGate>,
+    /// The connection whose deliveries are held; `None` between connections.
+    connection: Option<ConnectionId>,
+    /// Pushed, not yet committed, in arrival order.
+    held: VecDeque<Pending>,
+    /// Every QoS1 delivery of the connection not yet acked, in arrival order.
+    queue: AckQueue<Option<u16>>,
+    /// Acks safe to send, in arrival order.
+    ready: VecDeque<Ack>,
+    pub(crate) summary: RunSummary,
+    outcomes: Vec<Outcome>,
+    batch: Vec<Pending>,
+}
+
+impl std::fmt::Debug for ConsumerCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerCore")
+            .field("inbox", &self.inbox)
+            .field("scope", &self.scope)
+            .field("batch_size", &self.batch_size)
+            .field("linger", &self.linger)
+            .field("handler_attempts", &self.handler_attempts)
+            .field("connection", &self.connection)
+            .field("held", &self.held.len())
+            .finish()
+    }
+}
+
+/// The default limit of [`ConsumerCore::storage_retry_limit`].
+pub const STORAGE_RETRY_LIMIT: Duration = Duration::from_secs(60);
+
+impl ConsumerCore {
+    /// A core for the logical consumer function `scope` (e.g. `inventory-reservation`), with the MQTT 5
+    /// [`UserProperty`] extractor, batches of up to 64 and 3 handler attempts.
+    pub fn new(inbox: Inbox, scope: impl Into<String>) -> ConsumerCore {
+        ConsumerCore {
+            inbox,
+            scope: scope.into(),
+            extractor: Box::new(UserProperty::default()),
+            batch_size: 64,
+            linger: Duration::ZERO,
+            handler_attempts: 3,
+            receive_only: None,
+            storage_retry_limit: STORAGE_RETRY_LIMIT,
+            stop: StopHandle::default(),
+            exit_when_idle: None,
+            gate: None,
+            connection: None,
+            held: VecDeque::new(),
+            queue: AckQueue::new(),
+            ready: VecDeque::new(),
+            summary: RunSummary::default(),
+            outcomes: Vec::new(),
+            batch: Vec::new(),
+        }
+    }
+
+    /// The same core with the CBOR [`Envelope`] extractor (what MQTT 3.1.1 publishers use).
+    pub fn with_envelope(self) -> ConsumerCore {
+        self.extractor(Envelope::default())
+    }
+
+    /// Where identities come from.
+    pub fn extractor(mut self, extractor: impl ExtractIdentity + 'static) -> Self {
+        self.extractor = Box::new(extractor);
+        self
+    }
+
+    pub(crate) fn boxed_extractor(mut self, extractor: Box<dyn ExtractIdentity>) -> Self {
+        self.extractor = extractor;
+        self
+    }
+
+    /// Group commit: at most `size` deliveries per transaction; see [`Consumer::batch`](crate::Consumer::batch).
+    /// Keep `size` at or below the broker's inflight window, or a batch waits for deliveries the broker holds
+    /// back until it gets acks.
+    pub fn batch(mut self, size: usize, linger: Duration) -> Self {
+        self.batch_size = size.max(1);
+        self.linger = linger;
+        self
+    }
+
+    /// How many times the handler is tried on one delivery before it is dead-lettered and acked. At least 1.
+    pub fn handler_attempts(mut self, attempts: u32) -> Self {
+        self.handler_attempts = attempts.max(1);
+        self
+    }
+
+    /// Received-then-deferred mode; see [`Consumer::receive_only`](crate::Consumer::receive_only).
+    pub fn receive_only(mut self, backlog_warning: BacklogThreshold) -> Self {
+        self.receive_only = Some(backlog_warning);
+        self
+    }
+
+    /// How long one storage operation is retried while it keeps failing with a
+    /// [retryable](Error::is_retryable) error (busy, I/O, full disk, unknown commit outcome) before
+    /// [`ConsumerCore::settle`] gives up with that error: nothing of the batch is acked, and a run ends with
+    /// it (for a supervisor to see and restart; the broker redelivers). Default 60 s.
+    pub fn storage_retry_limit(mut self, limit: Duration) -> Self {
+        self.storage_retry_limit = limit;
+        self
+    }
+
+    /// Makes the commit loop ([`ConsumerCore::spawn`]) end once nothing has arrived for `idle` (counted from
+    /// the start, the latest connection or the latest delivery) and nothing is held.
+    pub fn exit_when_idle(mut self, idle: Duration) -> Self {
+        self.exit_when_idle = Some(idle);
+        self
+    }
+
+    /// The gate the acks go through: while storage retries, the core checks it and gives up on a batch
+    /// whose connection has ended (nothing of it may be acked any more).
+    pub fn gate(mut self, gate: AckGate) -> Self {
+        self.gate = Some(gate);
+        self
+    }
+
+    pub(crate) fn set_gate(&mut self, gate: AckGate) {
+        self.gate = Some(gate);
+    }
+
+    /// A handle that makes retries give up and a driving loop stop.
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
+    /// The inbox, e.g. for [`Inbox::scope_stats`].
+    pub fn inbox(&mut self) -> &mut Inbox {
+        &mut self.inbox
+    }
+
+    /// Gives the inbox back.
+    pub fn into_inbox(self) -> Inbox {
+        self.inbox
+    }
+
+    /// This core's counts so far.
+    pub fn summary(&self) -> RunSummary {
+        self.summary
+    }
+
+    /// The scope deliveries are committed in.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// Deliveries pushed and not yet committed.
+    pub fn unsettled(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The connection whose deliveries the core holds, if any.
+    pub fn connection(&self) -> Option<ConnectionId> {
+        self.connection
+    }
+
+    /// A connection began: whatever is held from an older one is dropped unacked (the broker redelivers it).
+    /// `session_present` is the CONNACK's flag; a lost session after the first connection is logged.
+    pub fn connected(&mut self, connection: ConnectionId, session_present: bool) {
+        self.summary.connections += 1;
+        self.drop_held("reconnected");
+        self.connection = Some(connection);
+        if !session_present && self.summary.connections > 1 {
+            log::warn!(
+                "the broker did not keep our session (expired, or restarted without persistence): \
+                 deliveries published while we were away may not arrive"
+            );
+        }
+    }
+
+    /// `connection` ended: what is held from it is dropped unacked, acks not yet taken are discarded.
+    pub fn connection_lost(&mut self, connection: ConnectionId) {
+        if self.connection == Some(connection) {
+            self.drop_held("the connection ended");
+            self.connection = None;
+        }
+    }
+
+    fn drop_held(&mut self, why: &str) {
+        let n = self.held.len();
+        if n > 0 || self.queue.len() > 0 || !self.ready.is_empty() {
+            log::info!(
+                "{why}: dropping {n} uncommitted deliveries and {} unsent acks of the old connection; \
+                 the broker redelivers them",
+                self.ready.len()
+            );
+        }
+        self.summary.dropped_stale += n as u64;
+        self.held.clear();
+        self.queue.clear();
+        self.ready.clear();
+    }
+
+    /// A publish received on `connection` (`packet_id` is `None` for QoS0, which gets no ack). Queued for
+    /// the next [`ConsumerCore::settle`]; one of a connection other than the latest begun is dropped.
+    pub fn push(&mut self, connection: ConnectionId, inbound: Inbound, packet_id: Option<u16>) {
+        self.summary.received += 1;
+        if self.connection != Some(connection) {
+            // Received on a connection that is gone: its redelivery will come on the new one.
+            self.summary.dropped_stale += 1;
+            return;
+        }
+        let ticket = self.queue.push(packet_id);
+        self.held.push_back(Pending {
+            inbound,
+            identity: None,
+            ticket,
+        });
+    }
+
+    /// A QoS1 publish the inbox does not handle (another topic of the application's connection): its ack
+    /// is handed back in turn, behind the deliveries received before it (acks leave in arrival order).
+    pub fn pass_through(&mut self, connection: ConnectionId, packet_id: u16) {
+        if self.connection != Some(connection) {
+            return;
+        }
+        let ticket = self.queue.push(Some(packet_id));
+        self.queue.settle(ticket);
+        self.release_acks();
+    }
+
+    /// The next ack safe to send, in arrival order; send it with [`AckGate::send`].
+    pub fn pop_ack(&mut self) -> Option<Ack> {
+        self.ready.pop_front()
+    }
+
+    /// Acks waiting to be taken with [`ConsumerCore::pop_ack`].
+    pub fn acks_ready(&self) -> usize {
+        self.ready.len()
+    }
+
+    /// Commits the oldest held deliveries, up to the batch size, in one transaction (blocking: call it on a
+    /// thread of its own), and makes their acks ready. Returns how many were taken.
+    ///
+    /// Bad input is quarantined, handler failures retried then dead-lettered, a batch that fails for good
+    /// settled one delivery at a time; all of those are acked. Storage errors are retried with backoff; the
+    /// batch is dropped unacked (`Ok`) when its connection ends or a stop is asked meanwhile, and `Err` comes
+    /// back when they persist beyond [`ConsumerCore::storage_retry_limit`] (nothing acked; end the run).
+    pub fn settle<H: Handler>(&mut self, handler: &mut H) -> Result<usize> {
+        let n = self.held.len().min(self.batch_size);
+        if n == 0 {
+            return Ok(0);
+        }
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.extend(self.held.drain(..n));
+        let result = self.settle_batch(&mut batch, handler);
+        batch.clear();
+        self.batch = batch;
+        match result {
+            Ok(true) => {
+                self.release_acks();
+                Ok(n)
+            }
+            Ok(false) => {
+                self.abandon(n);
+                Ok(n)
+            }
+            Err(e) => {
+                self.abandon(n);
+                Err(e)
+            }
+        }
+    }
+
+    /// Ok(false) when it gave up (nothing more of the connection's deliveries may be acked).
+    fn settle_batch<H: Handler>(&mut self, batch: &mut [Pending], handler: &mut H) -> Result<bool> {
+        let limits = *self.inbox.config().get_limits();
+        // Identity and limits first: bad input is quarantined, so it can be acked like the rest.
+        let mut good: Vec<usize> = Vec::with_capacity(batch.len());
+        for (i, p) in batch.iter_mut().enumerate() {
+            // An identity that was found but breaks a limit is kept, so its sequence can be claimed.
+            let (why, known) = match self.extractor.extract(&p.inbound) {
+                Ok(id) => match delivery_of(&self.scope, &p.inbound, &id).validate(&limits) {
+                    Ok(()) => {
+                        p.identity = Some(id);
+                        good.push(i);
+                        continue;
+                    }
+                    Err(why) => (why, Some(id)),
+                },
+                Err(why) => (why, None),
+            };
+            let reason = why.to_string();
+            log::warn!(
+                "bad delivery on topic {:?} ({} bytes): {reason}; quarantining it",
+                p.inbound.topic,
+                p.inbound.payload.len()
+            );
+            let scope = self.scope.clone();
+            let inbound = &p.inbound;
+            let kept = self.retry("quarantine", |inbox| match &known {
+                Some(id) => inbox.quarantine_delivery(&delivery_of(&scope, inbound, id), &reason),
+                None => inbox
+                    .quarantine(&scope, &inbound.topic, &inbound.payload, &reason)
+                    .map(Some),
+            })?;
+            match kept {
+                None => return Ok(false),
+                Some(Some(_)) => self.summary.quarantined += 1,
+                // Its sequence was claimed by this very message before: a redelivery.
+                Some(None) => self.summary.duplicates += 1,
+            }
+            self.queue.settle(p.ticket);
+        }
+
+        let scope = std::mem::take(&mut self.scope);
+        let result = self.commit_good(&scope, batch, &good, handler);
+        self.scope = scope;
+        result
+    }
+
+    fn commit_good<H: Handler>(
+        &mut self,
+        scope: &str,
+        batch: &[Pending],
+        good: &[usize],
+        handler: &mut H,
+    ) -> Result<bool> {
+        if good.is_empty() {
+            return Ok(true);
+        }
+        let deliveries: Vec<Delivery<'_>> = good
+            .iter()
+            .map(|&i| {
+                delivery_of(
+                    scope,
+                    &batch[i].inbound,
+                    batch[i].identity.as_ref().expect("extracted"),
+                )
+            })
+            .collect();
+        let mut outcomes = std::mem::take(&mut self.outcomes);
+        let receive_only = self.receive_only.is_some();
+        let committed = self.attempt("commit", |inbox| {
+            if receive_only {
+                inbox.receive_batch_into(&deliveries, &mut outcomes)
+            } else {
+                inbox.process_batch_into(&deliveries, handler, &mut outcomes)
+            }
+        });
+        let result = match committed {
+            Tried::GaveUp => Ok(false),
+            Tried::Exhausted(e) => Err(e),
+            Tried::Done(()) => {
+                self.summary.batches += 1;
+                let mut result = Ok(true);
+                for (k, outcome) in outcomes.drain(..).enumerate() {
+                    match self.settle_one(&deliveries[k], outcome, handler) {
+                        Ok(true) => self.queue.settle(batch[good[k]].ticket),
+                        other => {
+                            result = other;
+                            break;
+                        }
+                    }
+                }
+                result
+            }
+            Tried::Failed(why) => {
+                // A deterministic failure would fail the batch forever: find the delivery behind it alone.
+                log::warn!(
+                    "a batch of {} failed for good ({why}); settling its deliveries one at a time",
+                    deliveries.len()
+                );
+                let mut result = Ok(true);
+                for (k, d) in deliveries.iter().enumerate() {
+                    let alone = self.attempt("commit", |inbox| {
+                        if receive_only {
+                            inbox.receive(d)
+                        } else {
+                            inbox.process(d, &mut *handler)
+                        }
+                    });
+                    let settled = match alone {
+                        Tried::Done(outcome) => self.settle_one(d, outcome, handler),
+                        Tried::GaveUp => Ok(false),
+                        Tried::Exhausted(e) => Err(e),
+                        Tried::Failed(why) => self.dead_letter(d, 1, &format!("{why}")),
+                    };
+                    match settled {
+                        Ok(true) => self.queue.settle(batch[good[k]].ticket),
+                        other => {
+                            result = other;
+                            break;
+                        }
+                    }
+                }
+                result
+            }
+        };
+        outcomes.clear();
+        self.outcomes = outcomes;
+        result
+    }
+
+    /// Makes one committed outcome final (retrying a failed handler, quarantining an expired delivery) and
+    /// counts it. Ok(false) when storage trouble outlived the connection or a stop (nothing may be acked).
+    fn settle_one<H: Handler>(
+        &mut self,
+        d: &Delivery<'_>,
+        outcome: Outcome,
+        handler: &mut H,
+    ) -> Result<bool> {
+        match outcome {
+            Outcome::HandlerFailed(err) => {
+                self.summary.handler_failures += 1;
+                self.summary.failed_attempts += 1;
+                self.retry_handler(d, err, handler)
+            }
+            Outcome::Expired {
+                quarantined: None,
+                sent_at,
+                pruned_before,
+            } => self.quarantine_expired(d, sent_at, pruned_before),
+            other => {
+                self.count(&other);
+                Ok(true)
+            }
+        }
+    }
+
+    /// An expired delivery rejected by the scope's policy. A consumer cannot refuse a delivery without
+    /// stalling on it, so its body is kept in quarantine before it is acked: nothing silently lost.
+    fn quarantine_expired(
+        &mut self,
+        d: &Delivery<'_>,
+        sent_at: i64,
+        pruned_before: i64,
+    ) -> Result<bool> {
+        let reason = format!(
+            "expired: sent at {sent_at}, before the pruned identity horizon {pruned_before}"
+        );
+        let kept = self.retry("quarantine", |inbox| {
+            inbox.quarantine(d.scope, d.topic, d.payload, &reason)
+        })?;
+        if kept.is_some() {
+            self.summary.quarantined += 1;
+        }
+        Ok(kept.is_some())
+    }
+
+    /// Tries a failed delivery again, alone, up to the attempt limit; then dead-letters it.
+    fn retry_handler<H: Handler>(
+        &mut self,
+        d: &Delivery<'_>,
+        mut err: anyhow::Error,
+        handler: &mut H,
+    ) -> Result<bool> {
+        let mut attempts = 1;
+        while attempts < self.handler_attempts {
+            attempts += 1;
+            std::thread::sleep(Duration::from_millis(10 * u64::from(attempts)));
+            match self.attempt("commit", |inbox| inbox.process(d, &mut *handler)) {
+                Tried::GaveUp => return Ok(false),
+                Tried::Exhausted(e) => return Err(e),
+                Tried::Failed(why) => {
+                    let reason = format!("handler failed {attempts} time(s), the last with: {why}");
+                    return self.dead_letter(d, attempts, &reason);
+                }
+                Tried::Done(Outcome::HandlerFailed(e)) => {
+                    self.summary.failed_attempts += 1;
+                    err = e;
+                }
+                Tried::Done(Outcome::Expired {
+                    quarantined: None,
+                    sent_at,
+                    pruned_before,
+                }) => {
+                    return self.quarantine_expired(d, sent_at, pruned_before);
+                }
+                Tried::Done(o) => {
+                    self.count(&o);
+                    return Ok(true);
+                }
+            }
+        }
+        let reason = format!("handler failed {attempts} time(s): {err:#}");
+        self.dead_letter(d, attempts, &reason)
+    }
+
+    /// Records `d` as a dead letter with its reason; only then may it be acked. The record is retried
+    /// whatever the error: without it nothing may be acked.
+    fn dead_letter(&mut self, d: &Delivery<'_>, attempts: u32, reason: &str) -> Result<bool> {
+        match self.retry("dead letter", |inbox| {
+            inbox.dead_letter_after(d, attempts, reason)
+        })? {
+            None => Ok(false),
+            Some(Outcome::Processed) => {
+                self.summary.dead_lettered += 1;
+                Ok(true)
+            }
+            Some(Outcome::Expired {
+                quarantined: None,
+                sent_at,
+                pruned_before,
+            }) => self.quarantine_expired(d, sent_at, pruned_before),
+            Some(other) => {
+                self.count(&other);
+                Ok(true)
+            }
+        }
+    }
+
+    /// Counts a settled outcome.
+    fn count(&mut self, outcome: &Outcome) {
+        match outcome {
+            Outcome::Processed => self.summary.processed += 1,
+            Outcome::Duplicate => self.summary.duplicates += 1,
+            Outcome::Conflict { .. } => self.summary.conflicts += 1,
+            Outcome::Expired { .. } => self.summary.quarantined += 1,
+            Outcome::Received => self.summary.stored += 1,
+            // Handler failures are counted where they are retried.
+            _ => {}
+        }
+    }
+
+    /// Runs `f` until it succeeds, backing off on errors, whatever they are: for the durable records that
+    /// must exist before an ack (quarantine, dead letters). `Ok(None)` when the batch's connection ended or a
+    /// stop was requested first; `Err` when the retry limit ran out.
+    fn retry<T>(
+        &mut self,
+        what: &str,
+        f: impl FnMut(&mut Inbox) -> Result<T>,
+    ) -> Result<Option<T>> {
+        match self.backoff(what, true, f) {
+            Tried::Done(v) => Ok(Some(v)),
+            Tried::GaveUp | Tried::Failed(_) => Ok(None),
+            Tried::Exhausted(e) => Err(e),
+        }
+    }
+
+    /// Like [`ConsumerCore::retry`] for a commit of deliveries, but an error that is not
+    /// [retryable](Error::is_retryable) comes back as [`Tried::Failed`] at once: trying again would fail
+    /// the same way and hold back everything behind it.
+    fn attempt<T>(&mut self, what: &str, f: impl FnMut(&mut Inbox) -> Result<T>) -> Tried<T> {
+        self.backoff(what, false, f)
+    }
+
+    fn backoff<T>(
+        &mut self,
+        what: &str,
+        retry_all: bool,
+        mut f: impl FnMut(&mut Inbox) -> Result<T>,
+    ) -> Tried<T> {
+        let mut backoff = Duration::from_millis(50);
+        let mut failing_since: Option<Instant> = None;
+        loop {
+            match f(&mut self.inbox) {
+                Ok(v) => return Tried::Done(v),
+                Err(e) if !retry_all && !e.is_retryable() => {
+                    self.summary.storage_errors += 1;
+                    log::error!(
+                        "{what} failed for good (SQLite code {}): {e}; not acked",
+                        code_of(&e)
+                    );
+                    return Tried::Failed(e);
+                }
+                Err(e) => {
+                    self.summary.storage_errors += 1;
+                    let since = *failing_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= self.storage_retry_limit {
+                        log::error!(
+                            "{what} kept failing for {:?} (SQLite code {}): {e}; giving up, nothing of the \
+                             batch acked",
+                            since.elapsed(),
+                            code_of(&e)
+                        );
+                        return Tried::Exhausted(e);
+                    }
+                    log::error!(
+                        "{what} failed (SQLite code {}): {e}; not acked, retrying in {backoff:?}",
+                        code_of(&e)
+                    );
+                    let until = Instant::now() + backoff;
+                    while Instant::now() < until {
+                        if !self.connection_current() || self.stop.is_stopped() {
+                            return Tried::GaveUp;
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    fn connection_current(&self) -> bool {
+        match (&self.gate, self.connection) {
+            (Some(gate), Some(c)) => gate.is_current(c),
+            (None, Some(_)) => true,
+            (_, None) => false,
+        }
+    }
+
+    /// Gives up on what is held: nothing more of it is acked; the broker redelivers it.
+    fn abandon(&mut self, n: usize) {
+        let left = n + self.held.len();
+        log::warn!("leaving {left} deliveries unacked; the broker redelivers them");
+        self.summary.dropped_stale += self.held.len() as u64;
+        self.held.clear();
+        self.queue.clear();
+    }
+
+    /// Moves the acks of the settled prefix of the queue to the ready list.
+    fn release_acks(&mut self) {
+        let Some(connection) = self.connection else {
+            return;
+        };
+        while let Some(token) = self.queue.pop_ready() {
+            if let Some(packet_id) = token {
+                self.ready.push_back(Ack {
+                    connection,
+                    packet_id,
+                });
+            }
+        }
+    }
+}
+
+fn code_of(e: &Error) -> String {
+    e.sqlite_code()
+        .map_or_else(|| "none".to_owned(), |c| c.to_string())
+}
+
+fn delivery_of<'a>(scope: &'a str, inbound: &'a Inbound, id: &'a Identity) -> Delivery<'a> {
+    let payload = id.body.as_deref().unwrap_or(&inbound.payload);
+    let mut d = Delivery::new(scope, &id.message_id, &inbound.topic, payload);
+    if let Some(p) = id.producer.as_deref() {
+        d = d.with_producer(p);
+    }
+    if let Some(s) = id.sequence {
+        d = d.with_sequence(s);
+    }
+    if let Some(t) = id.sent_at {
+        d = d.with_sent_at(t);
+    }
+    d
+}
+
+impl From<rumqttc::v5::mqttbytes::v5::Publish> for Inbound {
+    /// Takes topic, payload and user properties (the topic decoded as UTF-8, as MQTT requires).
+    fn from(mut p: rumqttc::v5::mqttbytes::v5::Publish) -> Inbound {
+        let topic = match String::from_utf8(p.topic.to_vec()) {
+            Ok(t) => t,
+            Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        };
+        let mut inbound = Inbound::new(topic, Vec::from(std::mem::take(&mut p.payload)));
+        if let Some(props) = p.properties.as_mut() {
+            inbound.user_properties = std::mem::take(&mut props.user_properties);
+        }
+        inbound
+    }
+}
+
+impl From<rumqttc::Publish> for Inbound {
+    /// Takes topic and payload (MQTT 3.1.1 has no properties).
+    fn from(mut p: rumqttc::Publish) -> Inbound {
+        Inbound::new(
+            std::mem::take(&mut p.topic),
+            Vec::from(std::mem::take(&mut p.payload)),
+        )
+    }
+}

@@ -1,0 +1,471 @@
+//! The commit thread's loop over a [`ConsumerCore`], fed through a channel by whoever polls the connection:
+//! the same loop for the crate's [`Consumer`](crate::Consumer) and for an application's own connection.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::inbox::Handler;
+use crate::mqtt::core::{ConsumerCore, RunSummary, StopHandle};
+use crate::mqtt::extract::Inbound;
+use crate::mqtt::gate::{AckGate, AckSent, ConnectionId, PubAckSender};
+use crate::store::error::{Error, Result};
+
+/// What the connection's side hands to the commit thread, in the order it happened.
+pub(crate) enum Event {
+    Connected {
+        connection: ConnectionId,
+        session_present: bool,
+    },
+    Lost {
+        connection: ConnectionId,
+    },
+    Publish {
+        connection: ConnectionId,
+        inbound: Inbound,
+        packet_id: Option<u16>,
+    },
+    PassThrough {
+        connection: ConnectionId,
+        packet_id: u16,
+    },
+    /// The connection cannot succeed (refused credentials, bad TLS material): the run ends with it.
+    Failed(Error),
+}
+
+/// The commit thread is gone (it stopped, or ended with an error): nothing more can be fed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FeedClosed;
+
+impl fmt::Display for FeedClosed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the inbox's commit thread has ended")
+    }
+}
+
+impl std::error::Error for FeedClosed {}
+
+/// The connection's side of a [`ConsumerCore`] that runs on a commit thread ([`ConsumerCore::spawn`]):
+/// owned by the code that polls the rumqttc event loop, which calls it for every CONNACK, every PUBLISH
+/// for the inbox and every connection error. It tags each delivery with the current connection and keeps
+/// the [`AckGate`] in step, so the commit thread never sends an ack on a newer connection.
+///
+/// Every method hands its event over a bounded channel and blocks while it is full: back-pressure on the
+/// socket instead of memory (the commit thread drains it while it waits to queue acks, so this never
+/// deadlocks). On an async executor, call it from a blocking section (`tokio::task::block_in_place`), or
+/// keep the event loop on a thread of its own.
+pub struct Feed {
+    tx: SyncSender<Event>,
+    gate: AckGate,
+    current: ConnectionId,
+}
+
+impl fmt::Debug for Feed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Feed")
+            .field("current", &self.current)
+            .finish()
+    }
+}
+
+impl Feed {
+    fn send(&self, e: Event) -> std::result::Result<(), FeedClosed> {
+        self.tx.send(e).map_err(|_| FeedClosed)
+    }
+
+    /// A CONNACK arrived (rumqttc `Incoming::ConnAck`): a new connection, whose deliveries follow.
+    pub fn connected(
+        &mut self,
+        session_present: bool,
+    ) -> std::result::Result<ConnectionId, FeedClosed> {
+        self.current = self.gate.connected();
+        self.send(Event::Connected {
+            connection: self.current,
+            session_present,
+        })?;
+        Ok(self.current)
+    }
+
+    /// The connection ended: `purge` drops the PUBACKs still queued in the client, under the gate's lock
+    /// (see [`AckGate::lost`]). Call it for every error `poll`/`recv` returns, before polling again.
+    pub fn lost(&mut self, purge: impl FnOnce()) -> std::result::Result<(), FeedClosed> {
+        self.gate.lost(purge);
+        self.send(Event::Lost {
+            connection: self.current,
+        })
+    }
+
+    /// [`Feed::lost`] for rumqttc's MQTT 5 event loop (`connection.eventloop` of a sync client).
+    pub fn lost_v5(
+        &mut self,
+        eventloop: &mut rumqttc::v5::EventLoop,
+    ) -> std::result::Result<(), FeedClosed> {
+        self.gate.lost_v5(eventloop);
+        self.send(Event::Lost {
+            connection: self.current,
+        })
+    }
+
+    /// [`Feed::lost`] for rumqttc's MQTT 3.1.1 event loop.
+    pub fn lost_v311(
+        &mut self,
+        eventloop: &mut rumqttc::EventLoop,
+    ) -> std::result::Result<(), FeedClosed> {
+        self.gate.lost_v311(eventloop);
+        self.send(Event::Lost {
+            connection: self.current,
+        })
+    }
+
+    /// A publish for the inbox, received on the current connection (`packet_id`: `None` for QoS0).
+    pub fn publish(
+        &mut self,
+        inbound: Inbound,
+        packet_id: Option<u16>,
+    ) -> std::result::Result<(), FeedClosed> {
+        self.send(Event::Publish {
+            connection: self.current,
+            inbound,
+            packet_id,
+        })
+    }
+
+    /// An MQTT 5 publish for the inbox (rumqttc `Incoming::Publish`).
+    pub fn publish_v5(
+        &mut self,
+        publish: rumqttc::v5::mqttbytes::v5::Publish,
+    ) -> std::result::Result<(), FeedClosed> {
+        let packet_id =
+            (publish.qos != rumqttc::v5::mqttbytes::QoS::AtMostOnce).then_some(publish.pkid);
+        self.publish(Inbound::from(publish), packet_id)
+    }
+
+    /// An MQTT 3.1.1 publish for the inbox.
+    pub fn publish_v311(
+        &mut self,
+        publish: rumqttc::Publish,
+    ) -> std::result::Result<(), FeedClosed> {
+        let packet_id = (publish.qos != rumqttc::QoS::AtMostOnce).then_some(publish.pkid);
+        self.publish(Inbound::from(publish), packet_id)
+    }
+
+    /// A QoS1 publish of the same connection that the inbox does not handle (another subscription): the
+    /// application has dealt with it, and the commit thread acks it in turn (MQTT requires PUBACKs in
+    /// arrival order, so it must not be acked ahead of inbox deliveries received before it).
+    pub fn pass_through(&mut self, packet_id: u16) -> std::result::Result<(), FeedClosed> {
+        self.send(Event::PassThrough {
+            connection: self.current,
+            packet_id,
+        })
+    }
+
+    /// Ends the run with `error`: a connection that cannot succeed by retrying.
+    pub(crate) fn fail(&self, error: Error) -> std::result::Result<(), FeedClosed> {
+        self.send(Event::Failed(error))
+    }
+
+    /// The gate this feed keeps in step.
+    pub fn gate(&self) -> &AckGate {
+        &self.gate
+    }
+}
+
+/// A feed and the receiving end for the commit loop; `window` is the broker's inflight window.
+pub(crate) fn channel(window: usize, gate: AckGate) -> (Feed, Receiver<Event>) {
+    let (tx, rx) = sync_channel(window + 16);
+    (
+        Feed {
+            tx,
+            gate,
+            current: ConnectionId(0),
+        },
+        rx,
+    )
+}
+
+/// How long a stop waits for the last PUBACKs to be queued.
+pub(crate) const STOP_WAIT: Duration = Duration::from_secs(10);
+
+/// How a commit loop ended (when not with an error).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum End {
+    /// A stop was requested.
+    Stopped,
+    /// Nothing arrived for the idle limit.
+    Idle,
+    /// The feed was dropped: the connection's side is gone.
+    Closed,
+}
+
+/// The commit loop's state, on the thread that owns the core.
+pub(crate) struct Driver<'a, S: PubAckSender> {
+    pub(crate) core: &'a mut ConsumerCore,
+    pub(crate) rx: &'a Receiver<Event>,
+    pub(crate) gate: &'a AckGate,
+    pub(crate) sender: &'a S,
+    pub(crate) exit_when_idle: Option<Duration>,
+    /// The inflight window: how many unacked deliveries the broker may send.
+    pub(crate) window: usize,
+    /// Events drained from the channel while waiting to queue an ack, in arrival order.
+    backlog: VecDeque<Event>,
+    overfed_warned: Option<ConnectionId>,
+}
+
+impl<'a, S: PubAckSender> Driver<'a, S> {
+    pub(crate) fn new(
+        core: &'a mut ConsumerCore,
+        rx: &'a Receiver<Event>,
+        gate: &'a AckGate,
+        sender: &'a S,
+        window: usize,
+    ) -> Self {
+        Driver {
+            exit_when_idle: core.exit_when_idle,
+            core,
+            rx,
+            gate,
+            sender,
+            window,
+            backlog: VecDeque::new(),
+            overfed_warned: None,
+        }
+    }
+
+    /// Collects, commits and acks until stopped, idle, closed or failed.
+    pub(crate) fn run<H: Handler>(&mut self, handler: &mut H) -> Result<End> {
+        let mut last_activity = Instant::now();
+        let mut connections_seen = self.core.summary.connections;
+        let mut backlog_checked = Instant::now();
+        let stop = self.core.stop.clone();
+        loop {
+            if stop.is_stopped() {
+                return Ok(End::Stopped);
+            }
+            if let Some(threshold) = &self.core.receive_only {
+                if backlog_checked.elapsed() >= Duration::from_secs(10) {
+                    backlog_checked = Instant::now();
+                    if let Err(e) = self
+                        .core
+                        .inbox
+                        .warn_if_backlogged(&self.core.scope, threshold)
+                    {
+                        log::warn!("cannot read the backlog of scope {}: {e}", self.core.scope);
+                    }
+                }
+            }
+            let closed = self.collect(&stop)?;
+            if self.core.unsettled() > 0 {
+                self.core.settle(handler)?;
+                last_activity = Instant::now();
+            }
+            self.send_acks(&stop);
+            if closed && self.core.unsettled() == 0 {
+                return Ok(End::Closed);
+            }
+            // A (re)connection is activity too: idle time counts from the latest session start, so a slow
+            // handshake does not end the run before the broker had a chance to deliver.
+            if self.core.summary.connections != connections_seen {
+                connections_seen = self.core.summary.connections;
+                last_activity = Instant::now();
+            }
+            if let Some(idle) = self.exit_when_idle {
+                if self.core.unsettled() == 0 && last_activity.elapsed() >= idle {
+                    log::info!("idle for {idle:?}: stopping");
+                    return Ok(End::Idle);
+                }
+            }
+        }
+    }
+
+    /// Applies events to the core until a batch is held: waits up to 100 ms for the first, then takes what
+    /// is already queued, waiting up to the linger (if any) for more. True when the feed is gone.
+    fn collect(&mut self, stop: &StopHandle) -> Result<bool> {
+        let size = self.core.batch_size;
+        let linger = self.core.linger;
+        let mut deadline: Option<Instant> = None;
+        while self.core.unsettled() < size {
+            let wait = match deadline {
+                None => Duration::from_millis(100),
+                Some(d) => d.saturating_duration_since(Instant::now()),
+            };
+            let next = match self.backlog.pop_front() {
+                Some(e) => Ok(e),
+                None if wait.is_zero() => self.rx.try_recv().map_err(|e| match e {
+                    TryRecvError::Empty => RecvTimeoutError::Timeout,
+                    TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
+                }),
+                None => self.rx.recv_timeout(wait),
+            };
+            let event = match next {
+                Ok(e) => e,
+                Err(RecvTimeoutError::Timeout) => break,
+                Err(RecvTimeoutError::Disconnected) => return Ok(true),
+            };
+            match event {
+                Event::Connected {
+                    connection,
+                    session_present,
+                } => self.core.connected(connection, session_present),
+                Event::Lost { connection } => self.core.connection_lost(connection),
+                Event::Publish {
+                    connection,
+                    inbound,
+                    packet_id,
+                } => {
+                    self.core.push(connection, inbound, packet_id);
+                    if self.core.unsettled() > 0 {
+                        deadline.get_or_insert_with(|| Instant::now() + linger);
+                    }
+                }
+                Event::PassThrough {
+                    connection,
+                    packet_id,
+                } => {
+                    self.core.pass_through(connection, packet_id);
+                    if self.core.unsettled() == 0 {
+                        self.send_acks(stop);
+                    }
+                }
+                Event::Failed(e) => return Err(e),
+            }
+            if stop.is_stopped() {
+                break;
+            }
+        }
+        Ok(false)
+    }
+
+    /// Queues every ready ack through the gate, in order, draining incoming events into the backlog while
+    /// rumqttc's request channel is full. Once the connection has ended the rest stay unacked (the broker
+    /// redelivers them). A stop does not end the wait (the batch's acks go out first), but bounds it.
+    fn send_acks(&mut self, stop: &StopHandle) {
+        let mut stopping_since: Option<Instant> = None;
+        while let Some(ack) = self.core.pop_ack() {
+            loop {
+                match self.gate.send(self.sender, ack) {
+                    AckSent::Sent => {
+                        self.core.summary.acked += 1;
+                        break;
+                    }
+                    AckSent::Stale => return self.drop_stale_acks(),
+                    AckSent::Full => {}
+                }
+                if stop.is_stopped() {
+                    let since = *stopping_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= STOP_WAIT {
+                        return self.drop_stale_acks();
+                    }
+                }
+                match self.rx.try_recv() {
+                    Ok(e) => {
+                        self.backlog.push_back(e);
+                        self.warn_if_overfed(ack.connection);
+                    }
+                    Err(TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(1)),
+                    Err(TryRecvError::Disconnected) => return self.drop_stale_acks(),
+                }
+            }
+        }
+    }
+
+    fn drop_stale_acks(&mut self) {
+        let mut left = 1;
+        while self.core.pop_ack().is_some() {
+            left += 1;
+        }
+        log::info!(
+            "the connection ended before the acks: leaving {left} settled deliveries unacked; the broker \
+             redelivers them"
+        );
+        self.core.summary.dropped_stale += left;
+    }
+
+    /// More deliveries held unacked than the inflight window allows: the broker does not wait for our
+    /// PUBACKs (MQTT 5 Receive Maximum, or the 3.1.1 window configured). They are kept in memory until
+    /// committed, so memory grows with the broker's backlog; said once per connection.
+    fn warn_if_overfed(&mut self, connection: ConnectionId) {
+        if self.backlog.len() > self.window && self.overfed_warned != Some(connection) {
+            self.overfed_warned = Some(connection);
+            log::warn!(
+                "{} deliveries wait unacked in memory, more than the inflight window of {}: the broker does \
+                 not wait for our PUBACKs (it ignores the window), so memory grows with its backlog until \
+                 the commits catch up",
+                self.backlog.len(),
+                self.window
+            );
+        }
+    }
+}
+
+/// The commit thread of a [`ConsumerCore`] started with [`ConsumerCore::spawn`].
+#[derive(Debug)]
+pub struct CommitThread {
+    handle: JoinHandle<(ConsumerCore, Result<RunSummary>)>,
+    stop: StopHandle,
+}
+
+impl CommitThread {
+    /// Asks the thread to stop: it finishes the batch in flight, queues its acks, and ends.
+    pub fn stop(&self) {
+        self.stop.stop();
+    }
+
+    /// A handle that stops the thread, usable from anywhere (a signal flag, say).
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
+    /// True once the thread has ended (stopped, its feed dropped, or an error).
+    pub fn is_finished(&self) -> bool {
+        self.handle.is_finished()
+    }
+
+    /// Waits for the thread to end; gives back the core (and its inbox) and how the run went. Stop it (or
+    /// drop its [`Feed`]) first.
+    pub fn join(self) -> (ConsumerCore, Result<RunSummary>) {
+        match self.handle.join() {
+            Ok(r) => r,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+}
+
+impl ConsumerCore {
+    /// Runs this core on a commit thread of its own and returns the [`Feed`] for the code that polls the
+    /// connection. The thread commits what it is fed with `handler`, and queues each PUBACK with
+    /// `client` (a clone of the rumqttc client of that connection) through the feed's [`AckGate`]. It
+    /// ends when stopped ([`CommitThread::stop`]: the batch in flight is committed and acked first), when
+    /// the feed is dropped, or with the error of storage that kept failing
+    /// ([`ConsumerCore::storage_retry_limit`]). `window` is the broker's inflight window (our MQTT 5
+    /// Receive Maximum, or the broker's 3.1.1 limit).
+    pub fn spawn<H, S>(
+        self,
+        mut handler: H,
+        client: S,
+        window: u16,
+    ) -> std::io::Result<(Feed, CommitThread)>
+    where
+        H: Handler + Send + 'static,
+        S: PubAckSender + Send + 'static,
+    {
+        let gate = AckGate::new();
+        let mut core = self.gate(gate.clone());
+        if core.batch_size > usize::from(window.max(1)) {
+            core.batch_size = usize::from(window.max(1));
+        }
+        let stop = core.stop_handle();
+        let (feed, rx) = channel(usize::from(window.max(1)), gate.clone());
+        let handle = std::thread::Builder::new()
+            .name(format!("inbox-commit-{}", core.scope))
+            .spawn(move || {
+                let window = usize::from(window.max(1));
+                let result = Driver::new(&mut core, &rx, &gate, &client, window)
+                    .run(&mut handler)
+                    .map(|_| core.summary);
+                (core, result)
+            })?;
+        Ok((feed, CommitThread { handle, stop }))
+    }
+}
