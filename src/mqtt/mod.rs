@@ -18,3 +18,5 @@ pub(crate) mod extract;
 pub(crate) mod gate;
 #[cfg(feature = "mqtt")]
 pub(crate) mod relay;
+#[cfg(feature = "mqtt")]
+pub(crate) mod tls;
