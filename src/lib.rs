@@ -256,7 +256,8 @@
 //!   connect (so a filter added to the configuration is subscribed even on a kept session). The broker
 //!   keeps what we have not acked while we are away and sends it again.
 //! - **Identity** from the application, never the packet id: the MQTT 5 user property `message-id` (and
-//!   `producer`), a CBOR [`Envelope`] in the payload for 3.1.1, or your own [`ExtractIdentity`]. A delivery
+//!   `producer`), a CBOR [`Envelope`] in the payload for 3.1.1, the topic's property bag ([`PropertyBag`]:
+//!   Azure IoT Hub's `$.mid`), or your own [`ExtractIdentity`]. A delivery
 //!   without an identity, with a malformed envelope or over the inbox [`Limits`] is logged, recorded with
 //!   [`Inbox::quarantine`] (topic, payload, reason) and then acked: kept, not lost, and not blocking the
 //!   stream. One whose identity is known but breaks a limit goes through [`Inbox::quarantine_delivery`],
@@ -614,6 +615,7 @@ pub use crate::mqtt::extract::{
 };
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::gate::{Ack, AckGate, AckSent, ConnectionId, PubAckSender};
+pub use crate::mqtt::property_bag::PropertyBag;
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::relay::{Relay, RelayConfig, RelayStats};
 #[cfg(feature = "mqtt")]
