@@ -7,7 +7,8 @@
 //!
 //! ```text
 //! inventory run --broker HOST:PORT --db PATH [--client-id ID] [--topic FILTER] [--exit-when-idle SECS]
-//!               [--username NAME [--password-file FILE]] [--tls-ca FILE]
+//!               [--username NAME [--password-file FILE]] [--tls-ca FILE] [--tls-system-roots]
+//!               [--tls-cert FILE --tls-key FILE] [--alpn PROTO]... [--protocol v5|v311]
 //!               [--receive-only [--workers N]] [--announce]
 //! inventory report --db PATH
 //! inventory [run [--db PATH] [--receive-only [--workers N]] [--announce]]   # demo: own local broker
@@ -29,7 +30,14 @@
 //!   `--tls-ca` the password crosses the network in clear text: the run logs a warning saying so, once. The
 //!   password is never logged (the connection settings are logged with it redacted).
 //! - `--tls-ca FILE`: connect over TLS, trusting the CA certificates in FILE (PEM); the broker's certificate
-//!   must name HOST.
+//!   must name HOST. `--tls-system-roots`: trust the system's root certificates too (or instead; a cloud
+//!   hub). `--tls-cert FILE --tls-key FILE`: the client certificate chain and its private key (PEM; PKCS#8,
+//!   SEC1 or PKCS#1), for a broker that requires one; a key that does not match the certificate is an
+//!   error at start, naming both files. `--alpn PROTO` (repeatable): ALPN protocols to offer (AWS IoT Core
+//!   on port 443: `x-amzn-mqtt-ca`). A certificate the broker rejects (another CA, expired) ends the run at
+//!   once, non-zero, with the TLS alert named.
+//! - `--protocol v5|v311` (default v5): the consumer's MQTT version. With 3.1.1 the message id comes from a
+//!   CBOR envelope in the payload (`edge_inbox::Envelope`); the `--announce` relay always speaks MQTT 5.
 //! - `--receive-only`: each delivery is stored as *pending* and acked once that commit is durable; `N`
 //!   worker threads (`--workers`, default 1) apply the stored events with the same handler, each tried up to
 //!   3 times before it is dead-lettered. With `--exit-when-idle` the run also waits until no stored event
@@ -67,8 +75,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use edge_inbox::{
-    BacklogThreshold, Config, Consumer, Delivery, Inbox, MqttConfig, OutboxProperties, Qos, Relay,
-    StopHandle, Tls, Tx, Worker, WorkerConfig,
+    BacklogThreshold, Config, Consumer, Delivery, Inbox, MqttConfig, OutboxProperties, Protocol,
+    Qos, Relay, StopHandle, TlsConfig, Tx, Worker, WorkerConfig,
 };
 
 mod support;
@@ -167,6 +175,21 @@ struct RunFlags {
     /// Connect over TLS, trusting the CA certificates (PEM) in FILE; the broker's certificate must name HOST.
     #[arg(long, value_name = "FILE")]
     tls_ca: Option<PathBuf>,
+    /// Connect over TLS, trusting the system's root certificates (with or without --tls-ca).
+    #[arg(long)]
+    tls_system_roots: bool,
+    /// Client certificate chain (PEM) for a broker that requires one; needs --tls-key.
+    #[arg(long, value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// Private key (PEM: PKCS#8, SEC1 or PKCS#1) of --tls-cert.
+    #[arg(long, value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// An ALPN protocol to offer over TLS (repeatable), e.g. x-amzn-mqtt-ca.
+    #[arg(long = "alpn", value_name = "PROTO")]
+    alpn: Vec<String>,
+    /// The consumer's MQTT version; with v311 the message id comes from a CBOR envelope.
+    #[arg(long, value_enum, default_value = "v5")]
+    protocol: ProtocolFlag,
     /// Store each delivery as pending and ack it once that commit is durable; worker threads apply it.
     #[arg(long)]
     receive_only: bool,
@@ -193,12 +216,24 @@ impl Default for RunFlags {
             username: None,
             password_file: None,
             tls_ca: None,
+            tls_system_roots: false,
+            tls_cert: None,
+            tls_key: None,
+            alpn: Vec::new(),
+            protocol: ProtocolFlag::V5,
             receive_only: false,
             workers: None,
             announce: false,
             password: None,
         }
     }
+}
+
+/// `--protocol`.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ProtocolFlag {
+    V5,
+    V311,
 }
 
 /// A checked `run`: what the consumer, the workers and the relay need.
@@ -210,8 +245,10 @@ struct RunArgs {
     exit_when_idle: Option<u64>,
     /// User name and password; the password never comes from the command line.
     credentials: Option<(String, String)>,
-    /// CA certificates (PEM) for a TLS connection.
-    tls_ca: Option<Vec<u8>>,
+    /// TLS settings, checked (files read, the key matched to its certificate).
+    tls: Option<TlsConfig>,
+    /// The consumer's protocol (the relay always speaks MQTT 5).
+    protocol: Protocol,
     /// Worker threads when receiving only; `None`: apply on receipt.
     workers: Option<usize>,
     announce: bool,
@@ -229,8 +266,8 @@ fn main() -> anyhow::Result<()> {
                     consume(&broker, &db, &run)?;
                     Ok(())
                 }
-                None if run.credentials.is_some() || run.tls_ca.is_some() => {
-                    bail!("--username and --tls-ca are for a broker given with --broker HOST:PORT")
+                None if run.credentials.is_some() || run.tls.is_some() => {
+                    bail!("--username and the --tls flags are for a broker given with --broker HOST:PORT")
                 }
                 None => demo(run),
             }
@@ -250,13 +287,7 @@ fn run_args(flags: RunFlags) -> anyhow::Result<RunArgs> {
              set MQTT_PASSWORD or use --password-file FILE"
         );
     }
-    let tls_ca = match &flags.tls_ca {
-        Some(path) => Some(
-            std::fs::read(path)
-                .with_context(|| format!("--tls-ca: cannot read {}", path.display()))?,
-        ),
-        None => None,
-    };
+    let tls = tls_config(&flags)?;
     if flags.workers == Some(0) {
         bail!("--workers N: at least 1");
     }
@@ -296,10 +327,46 @@ fn run_args(flags: RunFlags) -> anyhow::Result<RunArgs> {
         topic: flags.topic,
         exit_when_idle: flags.exit_when_idle,
         credentials,
-        tls_ca,
+        tls,
+        protocol: match flags.protocol {
+            ProtocolFlag::V5 => Protocol::V5,
+            ProtocolFlag::V311 => Protocol::V311,
+        },
         workers,
         announce: flags.announce,
     })
+}
+
+/// The TLS settings the flags ask for, read and checked now: a bad file fails the start, naming it.
+fn tls_config(flags: &RunFlags) -> anyhow::Result<Option<TlsConfig>> {
+    if flags.tls_ca.is_none() && !flags.tls_system_roots && flags.tls_cert.is_none() {
+        if flags.tls_key.is_some() || !flags.alpn.is_empty() {
+            bail!("--tls-key and --alpn need TLS: --tls-ca FILE or --tls-system-roots");
+        }
+        return Ok(None);
+    }
+    let mut b = TlsConfig::builder();
+    if let Some(ca) = &flags.tls_ca {
+        b = b.ca_file(ca);
+    }
+    if flags.tls_system_roots {
+        #[cfg(feature = "system-roots")]
+        {
+            b = b.system_roots();
+        }
+        #[cfg(not(feature = "system-roots"))]
+        bail!("--tls-system-roots: this build lacks the system-roots feature");
+    }
+    if let Some(cert) = &flags.tls_cert {
+        b = b.client_cert_file(cert);
+    }
+    if let Some(key) = &flags.tls_key {
+        b = b.client_key_file(key);
+    }
+    for proto in &flags.alpn {
+        b = b.alpn(proto.as_bytes());
+    }
+    Ok(Some(b.build().context("TLS settings")?))
 }
 
 /// The password in `path`: its contents without one trailing newline. The error never shows the contents.
@@ -344,11 +411,8 @@ fn mqtt_config(host: &str, port: u16, client_id: &str, run: &RunArgs) -> MqttCon
     if let Some((user, password)) = &run.credentials {
         mqtt = mqtt.credentials(user, password);
     }
-    if let Some(ca_pem) = &run.tls_ca {
-        mqtt = mqtt.tls(Tls {
-            ca_pem: ca_pem.clone(),
-            client_auth: None,
-        });
+    if let Some(tls) = &run.tls {
+        mqtt = mqtt.tls(tls.clone());
     }
     mqtt
 }
@@ -358,7 +422,9 @@ fn consume(broker: &str, db: &Path, run: &RunArgs) -> anyhow::Result<edge_inbox:
     let (host, port) = broker.rsplit_once(':').context("--broker HOST:PORT")?;
     let port: u16 = port.parse().context("--broker HOST:PORT")?;
     let inbox = Inbox::open(db, Config::default())?;
-    let mqtt = mqtt_config(host, port, &run.client_id, run).subscribe(&run.topic);
+    let mqtt = mqtt_config(host, port, &run.client_id, run)
+        .protocol(run.protocol)
+        .subscribe(&run.topic);
     let mut consumer = Consumer::new(inbox, SCOPE, mqtt).handler_attempts(3);
     if run.workers.is_some() {
         consumer = consumer.receive_only(BacklogThreshold::default());

@@ -300,7 +300,8 @@
 //!   connect (so a filter added to the configuration is subscribed even on a kept session). The broker
 //!   keeps what we have not acked while we are away and sends it again.
 //! - **Identity** from the application, never the packet id: the MQTT 5 user property `message-id` (and
-//!   `producer`), a CBOR [`Envelope`] in the payload for 3.1.1, or your own [`ExtractIdentity`]. A delivery
+//!   `producer`), a CBOR [`Envelope`] in the payload for 3.1.1, the topic's property bag ([`PropertyBag`]:
+//!   Azure IoT Hub's `$.mid`), or your own [`ExtractIdentity`]. A delivery
 //!   without an identity, with a malformed envelope or over the inbox [`Limits`] is logged, recorded with
 //!   [`Inbox::quarantine`] (topic, payload, reason) and then acked: kept, not lost, and not blocking the
 //!   stream. One whose identity is known but breaks a limit goes through [`Inbox::quarantine_delivery`],
@@ -340,7 +341,8 @@
 //! - **Failing fast.** On the first connection of a run, what retrying cannot heal ends `run` with
 //!   [`Error::Connection`] naming the cause: the broker refusing the login or the client id (CONNACK
 //!   not authorized, bad user name or password, client id not valid, banned), TLS material that does not
-//!   parse, a certificate either side rejects. Once a connection has succeeded, every failure is retried
+//!   parse, a certificate either side rejects (with TLS 1.3 a broker rejects a client certificate by an
+//!   alert after the handshake: unknown CA, certificate expired). Once a connection has succeeded, every failure is retried
 //!   with backoff. An idle-bounded run ([`Consumer::exit_when_idle`]) that never connected is an error too.
 //! - **Stored deliveries.** A plain run on a file holding pending deliveries of a receive-only run logs
 //!   at start how many wait and that a [`Worker`] on the scope applies them (the plain run does not).
@@ -352,8 +354,12 @@
 //!   the broker has closed the connection (bounded at about 10 s), so a new run gets no redelivery of what
 //!   was committed. Deliveries received but not yet in the batch are left unacked for the broker to
 //!   redeliver; storage trouble at stop time acks nothing.
-//! - **TLS** through rustls with the *ring* provider only (no cmake or bindgen in cross builds) and
-//!   username/password ([`MqttConfig::credentials`]); credentials never appear in logs or `Debug` output.
+//! - **TLS** through rustls ([`TlsConfig`]: CA files or the system's roots, a client certificate and key,
+//!   ALPN, a server name override, or a ready rustls `ClientConfig`), checked when built, not at the first
+//!   connection. Each config carries its own provider (default *ring*: no cmake or bindgen in cross builds);
+//!   the crate never installs a process-wide one, so it works beside firmware that uses another. Also
+//!   username/password ([`MqttConfig::credentials`]); credentials and keys never appear in logs or `Debug`
+//!   output. 0.1's `Tls` struct is replaced by [`TlsConfig`].
 //!
 //! ### The core and the connection it does not own
 //!
@@ -682,7 +688,7 @@ pub use crate::inbox::{Handler, Inbox};
 pub use crate::inspect::stats::ScopeStats;
 pub use crate::inspect::{BytesWritten, FileSizes, ScopeReport};
 #[cfg(feature = "mqtt")]
-pub use crate::mqtt::conn::{MqttConfig, Protocol, Tls, DEFAULT_MAX_PACKET};
+pub use crate::mqtt::conn::{MqttConfig, Protocol, DEFAULT_MAX_PACKET};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::consumer::{Consumer, RunSummary, StopHandle};
 #[cfg(feature = "mqtt")]
@@ -696,8 +702,11 @@ pub use crate::mqtt::extract::{
 };
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::gate::{Ack, AckGate, AckSent, ConnectionId, PubAckSender};
+pub use crate::mqtt::property_bag::PropertyBag;
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::relay::{Relay, RelayConfig, RelayStats};
+#[cfg(feature = "mqtt")]
+pub use crate::mqtt::tls::{TlsConfig, TlsConfigBuilder, TlsConfigError};
 pub use crate::outbox::{outbox_message_id, OutboxBacklog, OutboxProperties, Qos};
 pub use crate::retention::watermark::{Watermark, SEQUENCE_WINDOW};
 pub use crate::retention::{

@@ -12,6 +12,7 @@ use rumqttc::{QoS, TlsConfiguration, Transport};
 
 use crate::mqtt::driver::Feed;
 use crate::mqtt::gate::PubAckSender;
+use crate::mqtt::tls::TlsConfig;
 use crate::store::error::Error;
 
 /// MQTT protocol version spoken to the broker.
@@ -23,28 +24,6 @@ pub enum Protocol {
     V5,
     /// MQTT 3.1.1: identities from a payload envelope; session kept with `clean_session=false`.
     V311,
-}
-
-/// TLS settings (rustls with the ring provider). Certificates and keys are PEM.
-#[derive(Clone, Default)]
-pub struct Tls {
-    /// CA certificates that sign the broker's certificate.
-    pub ca_pem: Vec<u8>,
-    /// Client certificate chain and private key, for brokers that require client authentication.
-    pub client_auth: Option<(Vec<u8>, Vec<u8>)>,
-}
-
-impl fmt::Debug for Tls {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The private key never reaches a log.
-        f.debug_struct("Tls")
-            .field("ca_pem_bytes", &self.ca_pem.len())
-            .field(
-                "client_auth",
-                &self.client_auth.as_ref().map(|_| "<redacted>"),
-            )
-            .finish()
-    }
 }
 
 /// How to reach the broker and what to subscribe to.
@@ -73,7 +52,7 @@ pub struct MqttConfig {
     pub(crate) inflight: u16,
     pub(crate) max_packet: u32,
     pub(crate) credentials: Option<(String, String)>,
-    pub(crate) tls: Option<Tls>,
+    pub(crate) tls: Option<TlsConfig>,
 }
 
 impl fmt::Debug for MqttConfig {
@@ -171,8 +150,8 @@ impl MqttConfig {
         self
     }
 
-    /// Connects over TLS.
-    pub fn tls(mut self, tls: Tls) -> Self {
+    /// Connects over TLS, with the settings (and the rustls provider) of `tls`.
+    pub fn tls(mut self, tls: TlsConfig) -> Self {
         self.tls = Some(tls);
         self
     }
@@ -185,15 +164,8 @@ impl MqttConfig {
     pub(crate) fn transport(&self) -> Transport {
         match &self.tls {
             None => Transport::Tcp,
-            Some(tls) => {
-                // The only provider compiled in; installing it explicitly keeps the choice deterministic.
-                let _ = rustls::crypto::ring::default_provider().install_default();
-                Transport::Tls(TlsConfiguration::Simple {
-                    ca: tls.ca_pem.clone(),
-                    alpn: None,
-                    client_auth: tls.client_auth.clone(),
-                })
-            }
+            // The config's own provider: no process-wide default is read or installed.
+            Some(tls) => Transport::Tls(TlsConfiguration::Rustls(tls.client_config())),
         }
     }
 }
@@ -357,6 +329,17 @@ fn io_tls_permanent(io: &std::io::Error) -> Option<String> {
         .then(|| format!("TLS material does not parse: {io}"))
 }
 
+/// With TLS 1.3 the broker checks our certificate after the client's side of the handshake is done: its
+/// alert (unknown CA, certificate expired) arrives on the first read, wrapped in the MQTT layer's error.
+fn tls_alert(io: &std::io::Error) -> Option<String> {
+    match io.get_ref()?.downcast_ref::<rustls::Error>()? {
+        alert @ rustls::Error::AlertReceived(_) => {
+            Some(format!("the broker ended the TLS session: {alert}"))
+        }
+        _ => None,
+    }
+}
+
 fn v4_permanent(e: &rumqttc::ConnectionError) -> Option<String> {
     use rumqttc::{ConnectReturnCode as C, ConnectionError as E};
     match e {
@@ -368,6 +351,10 @@ fn v4_permanent(e: &rumqttc::ConnectionError) -> Option<String> {
         }
         E::Tls(t) => tls_permanent(t),
         E::Io(io) => io_tls_permanent(io),
+        E::MqttState(
+            rumqttc::StateError::Io(io)
+            | rumqttc::StateError::Deserialization(rumqttc::mqttbytes::Error::Io(io)),
+        ) => tls_alert(io),
         _ => None,
     }
 }
@@ -391,6 +378,10 @@ fn v5_permanent(e: &rumqttc::v5::ConnectionError) -> Option<String> {
         ) => Some(format!("the broker refused the connection: {code:?}")),
         E::Tls(t) => tls_permanent(t),
         E::Io(io) => io_tls_permanent(io),
+        E::MqttState(
+            rumqttc::v5::StateError::Io(io)
+            | rumqttc::v5::StateError::Deserialization(rumqttc::v5::mqttbytes::Error::Io(io)),
+        ) => tls_alert(io),
         _ => None,
     }
 }

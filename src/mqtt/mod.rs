@@ -16,5 +16,8 @@ pub(crate) mod driver;
 pub(crate) mod extract;
 #[cfg(feature = "mqtt")]
 pub(crate) mod gate;
+pub(crate) mod property_bag;
 #[cfg(feature = "mqtt")]
 pub(crate) mod relay;
+#[cfg(feature = "mqtt")]
+pub(crate) mod tls;

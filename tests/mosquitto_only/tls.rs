@@ -2,7 +2,7 @@
 use std::time::{Duration, Instant};
 
 use crate::broker::{inventory_handler, reserved, Broker};
-use edge_inbox::{Config, Consumer, Inbox, MqttConfig, Tls};
+use edge_inbox::{Config, Consumer, Inbox, MqttConfig, TlsConfig};
 
 const SCOPE: &str = "inventory-reservation";
 
@@ -13,10 +13,7 @@ pub fn tls_with_password_consumes_and_a_wrong_password_never_connects() {
     let db = dir.path().join("inbox.db");
     let port = broker.port;
     let ca_path = broker.dir.path().join("ca.crt");
-    let tls = Tls {
-        ca_pem,
-        client_auth: None,
-    };
+    let tls = TlsConfig::builder().ca_pem(ca_pem).build().unwrap();
     let consumer = |password: &str, idle: u64| {
         let mqtt = MqttConfig::new("127.0.0.1", port, "inv-tls")
             .subscribe("orders/#")
