@@ -310,11 +310,11 @@ fn run_args(flags: RunFlags) -> anyhow::Result<RunArgs> {
                     )
                 })?,
             };
-            if tls_ca.is_none() {
+            if tls.is_none() {
                 // Once per run, not per connection: the consumer, the relay and every reconnect log in.
                 log::warn!(
                     "the MQTT password of {user:?} is sent in clear text: the connection is not encrypted \
-                     (no --tls-ca FILE), so anyone on the network path can read it"
+                     (no TLS: --tls-ca FILE or --tls-system-roots), so anyone on the network path can read it"
                 );
             }
             Some((user, password))
