@@ -48,6 +48,10 @@ struct Args {
     /// platform's.
     #[arg(long, value_name = "MS", default_value_t = 0)]
     sync_delay_ms: u64,
+    /// The consumer's `Config::wal_autocheckpoint` while the prune runs (0: it never checkpoints, the pruning
+    /// connection does; default: the library's).
+    #[arg(long, value_name = "PAGES")]
+    consumer_autocheckpoint: Option<u32>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -101,6 +105,7 @@ fn main() -> anyhow::Result<()> {
             &dir.path().join("latency.db"),
             1_000_000 / div,
             pruning,
+            args.consumer_autocheckpoint,
             &mut rows,
         )?;
     }
@@ -306,12 +311,13 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 /// Commits one delivery at a time (synchronous=FULL) until `stop`, pausing `gap` between them.
 fn consume(
     path: &Path,
+    config: Config,
     prefix: &str,
     stop: &AtomicBool,
     min: usize,
     gap: Duration,
 ) -> anyhow::Result<Vec<Duration>> {
-    let mut inbox = Inbox::open(path, Config::default())?;
+    let mut inbox = Inbox::open(path, config)?;
     let mut lat = Vec::new();
     let mut id = String::new();
     let payload = b"{\"order\":1}";
@@ -333,6 +339,7 @@ fn latency(
     path: &Path,
     n: usize,
     pruning: Pruning,
+    consumer_autocheckpoint: Option<u32>,
     rows: &mut Vec<(String, String, String)>,
 ) -> anyhow::Result<()> {
     eprintln!("latency: preparing {n} old processed messages ...");
@@ -376,7 +383,7 @@ fn latency(
 
     eprintln!("  baseline: {samples} single-delivery commits, no pruning ...");
     let stop = AtomicBool::new(true);
-    let mut base = consume(path, "base", &stop, samples, gap)?;
+    let mut base = consume(path, Config::default(), "base", &stop, samples, gap)?;
     base.sort_unstable();
 
     eprintln!("  the same consumer while another connection prunes {n} rows ...");
@@ -394,12 +401,23 @@ fn latency(
             },
         )
     };
-    let mut during = consume(path, "during", &stop, samples, gap)?;
+    let during_config = match consumer_autocheckpoint {
+        Some(pages) => Config::default().wal_autocheckpoint(pages),
+        None => Config::default(),
+    };
+    let mut during = consume(path, during_config, "during", &stop, samples, gap)?;
     let (report, took) = pruner.join().expect("pruner thread")?;
     // The machine is shared and noisy: measure the baseline again after the prune and pool both halves.
     eprintln!("  baseline again after the prune ...");
     let stop = AtomicBool::new(true);
-    base.extend(consume(path, "after", &stop, samples, gap)?);
+    base.extend(consume(
+        path,
+        Config::default(),
+        "after",
+        &stop,
+        samples,
+        gap,
+    )?);
     base.sort_unstable();
     during.sort_unstable();
     assert_eq!(report.payloads_pruned as usize, n);
