@@ -534,7 +534,13 @@ pub(crate) fn run_handler<H: Handler>(
         }
     }
     if conn.handler_tx_ended() {
-        return Err(Error::HandlerEndedTransaction);
+        // SQLite rolls the whole transaction back by itself on a full disk, an I/O error or NOMEM: that is the
+        // inbox's storage trouble (retryable, never acked), even when the handler swallowed it. An interrupt
+        // (or a rollback the handler asked for) is the handler ending the transaction.
+        return Err(match own {
+            Some(code) if code & 0xff != rusqlite::ffi::SQLITE_INTERRUPT => storage_error(code),
+            _ => Error::HandlerEndedTransaction,
+        });
     }
     // Met on the inbox connection and swallowed (or another error returned): the transaction is not whole.
     if let Some(code) = own {

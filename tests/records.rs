@@ -142,11 +142,25 @@ fn storage_trouble_on_the_inbox_connection_through_tx_sql_is_still_an_error() {
             Ok(())
         })
         .unwrap_err();
-    assert!(
-        matches!(err, Error::DiskFull | Error::HandlerEndedTransaction),
-        "{err:?}"
-    );
+    assert!(matches!(err, Error::DiskFull), "{err:?}");
+    // A handler that swallows it and returns Ok: SQLite rolled the whole transaction back (SQLITE_FULL in a
+    // statement without a statement journal), and the call is still the inbox's full disk (retryable, never
+    // acked), not a handler that ended the transaction (which the consumer would dead-letter and ack).
+    let err = inbox
+        .process(&d, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
+            let _ = tx
+                .sql()
+                .execute("INSERT INTO bodies (b) VALUES (?1)", [d.payload]);
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::DiskFull), "{err:?}");
+    assert!(err.is_retryable());
     assert_eq!(inbox.scope_stats("s").unwrap().handler_failures, 0);
+    assert_eq!(
+        inbox.status("s", None, "big").unwrap(),
+        edge_inbox::Status::NotFound
+    );
 }
 
 #[test]
