@@ -493,8 +493,9 @@ fn apply_one<H: Handler>(
 /// Runs `handler` on `d` inside the open savepoint and sorts what it returned. Storage trouble of the inbox's own
 /// connection fails the whole transaction (`Err`): met through the inbox's API (even if the handler swallowed
 /// the error), returned by the handler after it met it on the connection through [`Tx::sql`] (see
-/// [`own_storage_failure`]), SQLite or the handler ended the transaction, or met on the connection and not
-/// returned; checked in that order, since a full disk makes SQLite roll back by itself. Otherwise
+/// [`own_storage_failure`]), SQLite or the handler ended the transaction (the connection's own storage code
+/// when SQLite did, an interrupt excepted), or met on the connection and not returned; checked in that order,
+/// since a full disk makes SQLite roll back by itself. Otherwise
 /// `Ok` carries the handler's own verdict: any error it returned, a storage error of some other database it
 /// opened itself included, is a handler failure (attempts, then a dead letter), never the inbox's trouble.
 pub(crate) fn run_handler<H: Handler>(
