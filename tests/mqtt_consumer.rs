@@ -4,52 +4,11 @@
 mod broker;
 mod common;
 
-use std::path::Path;
 use std::time::Duration;
 
+use broker::consumer::{consumer, drain, order, prime, SCOPE};
 use broker::{inventory_handler, publish_v311, publish_v5, reserved, Broker, Msg};
-use edge_inbox::{Config, Consumer, Envelope, Inbox, Limits, MqttConfig, Protocol, RunSummary};
-
-const SCOPE: &str = "inventory-reservation";
-
-fn consumer(
-    broker: &Broker,
-    db: &Path,
-    client_id: &str,
-    protocol: Protocol,
-    config: Config,
-) -> Consumer {
-    let inbox = Inbox::open(db, config).unwrap();
-    let mqtt = MqttConfig::new("127.0.0.1", broker.port, client_id)
-        .protocol(protocol)
-        .subscribe("orders/#");
-    Consumer::new(inbox, SCOPE, mqtt)
-        .batch(64, Duration::ZERO)
-        .exit_when_idle(Duration::from_millis(1500))
-}
-
-/// Connects once so the broker holds a persistent, subscribed session for `client_id`.
-fn init_log() {
-    let _ = env_logger::builder().is_test(true).try_init();
-}
-
-fn prime(broker: &Broker, db: &Path, client_id: &str, protocol: Protocol) {
-    init_log();
-    let mut c = consumer(broker, db, client_id, protocol, Config::default())
-        .exit_when_idle(Duration::from_millis(300));
-    let s = c.run(inventory_handler).unwrap();
-    assert!(s.connections >= 1, "never connected: {s:?}");
-}
-
-fn drain(broker: &Broker, db: &Path, client_id: &str, protocol: Protocol) -> RunSummary {
-    consumer(broker, db, client_id, protocol, Config::default())
-        .run(inventory_handler)
-        .unwrap()
-}
-
-fn order(order: u32, sku: &str, qty: i64, kind: &str) -> String {
-    format!(r#"{{"order":{order},"sku":"{sku}","qty":{qty},"kind":"{kind}"}}"#)
-}
+use edge_inbox::{Config, Consumer, Envelope, Inbox, Limits, MqttConfig, Protocol};
 
 #[test]
 fn rumqttc_v5_publisher_with_producer_namespaces() {

@@ -6,63 +6,12 @@ mod broker;
 mod common;
 mod outbox_support;
 
-use std::path::Path;
 use std::time::Duration;
 
 use broker::Broker;
-use edge_inbox::{
-    outbox_message_id, Config, Delivery, Inbox, MqttConfig, OutboxProperties, Qos, Relay,
-    RelayConfig, Tx,
-};
+use edge_inbox::{outbox_message_id, Config, Inbox};
+use outbox_support::relay::{commit, first_seen, relay, SCOPE};
 use outbox_support::Subscriber;
-
-const SCOPE: &str = "inventory-reservation";
-
-/// Commits one delivery per payload; each handler call publishes one message carrying the payload.
-fn commit(inbox: &mut Inbox, prefix: &str, n: usize) {
-    let ids: Vec<String> = (0..n).map(|i| format!("{prefix}-{i}")).collect();
-    let deliveries: Vec<Delivery<'_>> = ids
-        .iter()
-        .map(|id| Delivery::new(SCOPE, id, "orders", id.as_bytes()))
-        .collect();
-    for chunk in deliveries.chunks(50) {
-        inbox
-            .process_batch(chunk, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
-                tx.publish(
-                    "stock/reserved",
-                    d.payload,
-                    Qos::AtLeastOnce,
-                    &OutboxProperties::new()
-                        .content_type("text/plain")
-                        .user_property("order", d.message_id),
-                )?;
-                Ok(())
-            })
-            .unwrap();
-    }
-}
-
-fn relay(db: &Path, port: u16) -> Relay {
-    Relay::start_with(
-        Inbox::open(db, Config::default()).unwrap(),
-        MqttConfig::new("127.0.0.1", port, "outbox-relay-test"),
-        RelayConfig::default().max_backoff(Duration::from_millis(400)),
-    )
-    .unwrap()
-}
-
-/// Payloads in the order they were first received.
-fn first_seen(sub: &Subscriber, prefix: &str) -> Vec<String> {
-    let mut seen = std::collections::BTreeSet::new();
-    let mut order = Vec::new();
-    for g in sub.got() {
-        let p = String::from_utf8(g.payload).unwrap();
-        if p.starts_with(prefix) && seen.insert(p.clone()) {
-            order.push(p);
-        }
-    }
-    order
-}
 
 #[test]
 fn messages_carry_their_id_producer_and_properties_and_are_marked_sent_after_the_puback() {

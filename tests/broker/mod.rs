@@ -12,6 +12,8 @@
 #[path = "../../examples/support/embedded.rs"]
 mod embedded;
 
+pub mod consumer;
+
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

@@ -1,51 +1,10 @@
 //! The consumer on mosquitto specifically: its `mosquitto_pub` client, its log of the packets it sends, and a
 //! restart with persistence.
-use std::path::Path;
 use std::time::Duration;
 
+use crate::broker::consumer::{consumer, drain, order, prime, SCOPE};
 use crate::broker::{inventory_handler, publish_v5, reserved, Broker, Msg};
-use edge_inbox::{Config, Consumer, Inbox, MqttConfig, Protocol, RunSummary};
-
-const SCOPE: &str = "inventory-reservation";
-
-fn consumer(
-    broker: &Broker,
-    db: &Path,
-    client_id: &str,
-    protocol: Protocol,
-    config: Config,
-) -> Consumer {
-    let inbox = Inbox::open(db, config).unwrap();
-    let mqtt = MqttConfig::new("127.0.0.1", broker.port, client_id)
-        .protocol(protocol)
-        .subscribe("orders/#");
-    Consumer::new(inbox, SCOPE, mqtt)
-        .batch(64, Duration::ZERO)
-        .exit_when_idle(Duration::from_millis(1500))
-}
-
-/// Connects once so the broker holds a persistent, subscribed session for `client_id`.
-fn init_log() {
-    let _ = env_logger::builder().is_test(true).try_init();
-}
-
-fn prime(broker: &Broker, db: &Path, client_id: &str, protocol: Protocol) {
-    init_log();
-    let mut c = consumer(broker, db, client_id, protocol, Config::default())
-        .exit_when_idle(Duration::from_millis(300));
-    let s = c.run(inventory_handler).unwrap();
-    assert!(s.connections >= 1, "never connected: {s:?}");
-}
-
-fn drain(broker: &Broker, db: &Path, client_id: &str, protocol: Protocol) -> RunSummary {
-    consumer(broker, db, client_id, protocol, Config::default())
-        .run(inventory_handler)
-        .unwrap()
-}
-
-fn order(order: u32, sku: &str, qty: i64, kind: &str) -> String {
-    format!(r#"{{"order":{order},"sku":"{sku}","qty":{qty},"kind":"{kind}"}}"#)
-}
+use edge_inbox::{Config, Inbox, Protocol};
 
 pub fn mosquitto_pub_v5_duplicates_conflicts_and_missing_ids_are_counted_and_acked() {
     let broker = Broker::mosquitto();

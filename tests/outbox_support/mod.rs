@@ -2,6 +2,8 @@
 //! persistent session so that nothing published while it reconnects is lost.
 #![allow(dead_code)]
 
+pub mod relay;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
