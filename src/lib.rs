@@ -702,6 +702,8 @@ pub use crate::mqtt::extract::{
 };
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::gate::{Ack, AckGate, AckSent, ConnectionId, PubAckSender};
+#[cfg(feature = "mqtt")]
+pub use crate::mqtt::health::{HealthEvent, HealthEvents, Settled, Stats, StatsHandle};
 pub use crate::mqtt::property_bag::PropertyBag;
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::relay::{Relay, RelayConfig, RelayStats};
