@@ -445,9 +445,9 @@
 //! - [`Consumer::stats`] / [`ConsumerCore::stats`]: a [`StatsHandle`] whose [`StatsHandle::snapshot`] gives,
 //!   from any thread while `run` runs, the run's [`RunSummary`] so far, the current connection, the last
 //!   loss's cause, the deliveries not yet committed, whether a commit loop runs and how often it turned
-//!   ([`Stats::turns`]: at least every 100 ms unless a commit or a handler is stuck; what a watchdog should
-//!   check). The commit thread updates it after each batch and loop turn, and skips an update rather than
-//!   wait for a reader that holds its lock.
+//!   ([`ConsumerStats::turns`]: at least every 100 ms unless a commit or a handler is stuck; what a watchdog
+//!   should check). The commit thread updates it after each batch and loop turn, and skips an update rather
+//!   than wait for a reader that holds its lock.
 //!
 //! ```no_run
 //! # #[cfg(feature = "mqtt")]
@@ -480,8 +480,8 @@
 //! ```
 //!
 //! The library never talks to systemd; `examples/inventory.rs` shows readiness and a watchdog built on these
-//! handles (`READY=1` at the first connection, `WATCHDOG=1` only while [`Stats::turns`] grows), and the README
-//! a unit file.
+//! handles (`READY=1` at the first connection, `WATCHDOG=1` only while [`ConsumerStats::turns`] grows), and
+//! the README a unit file.
 //!
 //! ## Consumer outbox: publishing from a handler
 //!
@@ -761,7 +761,7 @@ pub use crate::mqtt::extract::{
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::gate::{Ack, AckGate, AckSent, ConnectionId, PubAckSender};
 #[cfg(feature = "mqtt")]
-pub use crate::mqtt::health::{HealthEvent, HealthEvents, Settled, Stats, StatsHandle};
+pub use crate::mqtt::health::{ConsumerStats, HealthEvent, HealthEvents, Settled, StatsHandle};
 pub use crate::mqtt::property_bag::PropertyBag;
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::relay::{Relay, RelayConfig, RelayStats};

@@ -205,7 +205,7 @@ impl Drop for StopOnDrop {
 }
 
 /// Waits, bounded, for the statistics to satisfy `f`.
-fn wait_stats(stats: &StatsHandle, what: &str, f: impl Fn(&edge_inbox::Stats) -> bool) {
+fn wait_stats(stats: &StatsHandle, what: &str, f: impl Fn(&edge_inbox::ConsumerStats) -> bool) {
     let found = common::wait_for(Duration::from_secs(60), || {
         let s = stats.snapshot();
         f(&s).then_some(())
@@ -333,4 +333,45 @@ fn a_broker_that_dies_gives_a_lost_event_with_its_cause_then_a_new_connection() 
         let s = run.join().unwrap().unwrap();
         assert!(s.connections >= 2, "{s:?}");
     });
+}
+
+#[test]
+fn a_core_told_of_a_new_connection_first_ends_the_old_one_in_its_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    let mut core = edge_inbox::ConsumerCore::new(inbox, SCOPE);
+    let events = core.events(16);
+    let gate = edge_inbox::AckGate::new();
+    let first = gate.connected();
+    core.connected(first, false);
+    let second = gate.connected();
+    core.connected(second, true);
+    core.connection_lost_because(second, Some("socket closed".into()));
+    // A loss told twice is one event.
+    core.connection_lost(second);
+    assert_eq!(
+        drain(&events),
+        vec![
+            HealthEvent::Connected {
+                connection: first,
+                session_present: false
+            },
+            HealthEvent::ConnectionLost {
+                connection: first,
+                cause: Some("a new connection began".into())
+            },
+            HealthEvent::Connected {
+                connection: second,
+                session_present: true
+            },
+            HealthEvent::ConnectionLost {
+                connection: second,
+                cause: Some("socket closed".into())
+            },
+        ]
+    );
+    let s = core.stats().snapshot();
+    assert_eq!(s.connection, None);
+    assert_eq!(s.last_lost_cause.as_deref(), Some("socket closed"));
+    assert_eq!(s.summary.connections, 2);
 }

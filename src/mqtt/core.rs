@@ -261,6 +261,11 @@ impl ConsumerCore {
     /// `session_present` is the CONNACK's flag; a lost session after the first connection is logged.
     pub fn connected(&mut self, connection: ConnectionId, session_present: bool) {
         self.summary.connections += 1;
+        if let Some(old) = self.connection.filter(|&old| old != connection) {
+            // Not told of its end: it ends here.
+            self.health
+                .lost(old, Some("a new connection began".to_owned()));
+        }
         self.drop_held("reconnected");
         self.connection = Some(connection);
         if !session_present && self.summary.connections > 1 {

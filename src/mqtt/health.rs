@@ -49,8 +49,9 @@ pub enum HealthEvent {
     ConnectionLost {
         /// The connection that ended.
         connection: ConnectionId,
-        /// Why, when the code that saw it end said ([`Feed::because`](crate::Feed::because), or the
-        /// [`Consumer`](crate::Consumer)'s own connection: rumqttc's error, or the end of the run).
+        /// Why, when known: rumqttc's error on the [`Consumer`](crate::Consumer)'s own connection, what the
+        /// application gave [`Feed::because`](crate::Feed::because), "a new connection began" when the core
+        /// learnt of the next connection first, "the run ended" at the end of a `Consumer::run`.
         cause: Option<String>,
     },
     /// A delivery's fate, sent once the commit (or rollback, for a failed attempt) that decided it has
@@ -106,7 +107,7 @@ impl HealthEvents {
 /// A consumer's statistics while it runs, at one moment ([`StatsHandle::snapshot`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Stats {
+pub struct ConsumerStats {
     /// The counts of the current (or latest) run so far, as [`RunSummary`]. `acked` counts the PUBACKs
     /// handed to the client while the run goes on, and those written to the socket once a
     /// [`Consumer::run`](crate::Consumer::run) has returned.
@@ -127,7 +128,7 @@ pub struct Stats {
     pub events_dropped: u64,
 }
 
-/// Reads a consumer's [`Stats`] from any thread while it runs. Cheap to clone.
+/// Reads a consumer's [`ConsumerStats`] from any thread while it runs. Cheap to clone.
 ///
 /// The commit thread updates them after every batch and every turn of its loop (at least every 100 ms
 /// while it is alive), and skips an update rather than wait when a reader holds the lock at that moment.
@@ -136,7 +137,7 @@ pub struct StatsHandle(Arc<Shared>);
 
 impl StatsHandle {
     /// The statistics now: consistent with each other (one lock, held for a copy).
-    pub fn snapshot(&self) -> Stats {
+    pub fn snapshot(&self) -> ConsumerStats {
         let mut s = self.0.lock().clone();
         s.events_dropped = self.0.dropped.load(Ordering::Relaxed);
         s.turns = self.0.turns.load(Ordering::Relaxed);
@@ -146,13 +147,13 @@ impl StatsHandle {
 
 #[derive(Debug, Default)]
 struct Shared {
-    stats: Mutex<Stats>,
+    stats: Mutex<ConsumerStats>,
     dropped: AtomicU64,
     turns: AtomicU64,
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Stats> {
+    fn lock(&self) -> MutexGuard<'_, ConsumerStats> {
         // Plain counters, each written in one step: a panic elsewhere cannot leave them half-made.
         self.stats.lock().unwrap_or_else(|e| e.into_inner())
     }
