@@ -154,7 +154,7 @@ fn main() -> anyhow::Result<()> {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {
                 // First: no ack of the old connection may leave on the next one.
-                let _ = feed.lost_v5(&mut connection.eventloop);
+                let _ = feed.because(&e).lost_v5(&mut connection.eventloop);
                 if stopping_since.is_some() {
                     break; // the broker closed the connection after our DISCONNECT
                 }

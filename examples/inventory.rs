@@ -51,6 +51,15 @@
 //!   broker, giving up with a warning (the next run sends the rest) once none was confirmed for SECS or
 //!   10 s, whichever is longer.
 //!
+//! Under systemd (`Type=notify`: `NOTIFY_SOCKET` set, a path or an `@abstract` name) `run` reports its state
+//! by sd_notify(3), written by hand over a Unix datagram socket (the library itself never notifies):
+//! `STATUS=connecting to HOST:PORT` at start, `READY=1` once the first connection to the broker is up, a
+//! `STATUS=` line with the connection and the run's counts when they change (at most once a second),
+//! `WATCHDOG=1` every half `WATCHDOG_USEC` (when `WATCHDOG_PID` is unset or names this process) only if the
+//! consumer's commit loop turned since the last one and the workers and the relay still run, and
+//! `STOPPING=1` as soon as SIGINT/SIGTERM asks for the graceful stop. Without `NOTIFY_SOCKET` nothing is
+//! sent. The README has a unit file.
+//!
 //! `report` prints, from the durable counters and tables:
 //!
 //! ```text
@@ -76,10 +85,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use edge_inbox::{
     BacklogThreshold, Config, Consumer, Delivery, Inbox, MqttConfig, OutboxProperties, Protocol,
-    Qos, Relay, StopHandle, TlsConfig, Tx, Worker, WorkerConfig,
+    Qos, Relay, StatsHandle, StopHandle, TlsConfig, Tx, Worker, WorkerConfig,
 };
 
 mod support;
+#[path = "support/systemd.rs"]
+mod systemd;
 
 const SCOPE: &str = "inventory-reservation";
 
@@ -433,6 +444,11 @@ fn consume(broker: &str, db: &Path, run: &RunArgs) -> anyhow::Result<edge_inbox:
         consumer = consumer.exit_when_idle(Duration::from_secs(secs));
     }
     let stop = consumer.stop_handle();
+    let stats = consumer.stats();
+    let notifier = systemd::Notifier::from_env()?;
+    if let Some(n) = &notifier {
+        n.notify(&format!("STATUS=connecting to {broker}"));
+    }
     // The batch in flight is finished, committed and acked before the consumer returns.
     signal_hook::flag::register(signal_hook::consts::SIGINT, stop.flag())?;
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.flag())?;
@@ -452,6 +468,16 @@ fn consume(broker: &str, db: &Path, run: &RunArgs) -> anyhow::Result<edge_inbox:
     let consuming = AtomicBool::new(true);
     let (summary, lost) = std::thread::scope(|s| {
         let watcher = s.spawn(|| watch(&workers, relay.as_ref(), &stop, &consuming));
+        if let Some(n) = &notifier {
+            let health = Health {
+                stats: &stats,
+                workers: &workers,
+                relay: relay.as_ref(),
+                stop: &stop,
+                consuming: &consuming,
+            };
+            s.spawn(move || health.notify_systemd(n, broker));
+        }
         let summary = consumer.run(handler(run.announce));
         consuming.store(false, Ordering::SeqCst);
         let lost = watcher.join().unwrap_or(Some(
@@ -515,6 +541,85 @@ fn watch(
         std::thread::sleep(Duration::from_millis(50));
     }
     None
+}
+
+/// What the systemd notifications are made of.
+struct Health<'a> {
+    stats: &'a StatsHandle,
+    workers: &'a Workers,
+    relay: Option<&'a Relay>,
+    stop: &'a StopHandle,
+    consuming: &'a AtomicBool,
+}
+
+impl Health<'_> {
+    /// Tells systemd, while the consumer runs: `READY=1` once the first connection is up; `WATCHDOG=1` at
+    /// half the watchdog timeout, only if the consumer's commit loop turned since the last one (it turns at
+    /// least every 100 ms unless stuck in a commit or a handler) and the workers and the relay still run; a
+    /// `STATUS=` line when the state changes (at most once a second); `STOPPING=1` as soon as a stop is
+    /// asked (the batch in flight is then committed and acked), or when the consumer returned.
+    fn notify_systemd(&self, n: &systemd::Notifier, broker: &str) {
+        let mut ready = false;
+        let mut stopping = false;
+        let mut status = String::new();
+        let mut status_at: Option<Instant> = None;
+        let mut last_ping = Instant::now();
+        let mut turns_at_ping = self.stats.snapshot().turns;
+        while self.consuming.load(Ordering::SeqCst) {
+            let now = self.stats.snapshot();
+            if self.stop.is_stopped() && !stopping {
+                stopping = true;
+                n.notify("STOPPING=1\nSTATUS=stopping: committing and acking the batch in flight");
+            }
+            if !ready && now.connection.is_some() {
+                ready = true;
+                n.notify("READY=1");
+            }
+            let line = match now.connection {
+                _ if stopping => None,
+                Some(c) => {
+                    let s = now.summary;
+                    Some(format!(
+                        "connected to {broker} ({c:?}): received {}, processed {}, duplicates {}, conflicts {}, \
+                         quarantined {}, stored {}, dead-lettered {}",
+                        s.received, s.processed, s.duplicates, s.conflicts, s.quarantined, s.stored,
+                        s.dead_lettered
+                    ))
+                }
+                None => Some(match &now.last_lost_cause {
+                    Some(why) => format!("reconnecting to {broker}: {why}"),
+                    None => format!("connecting to {broker}"),
+                }),
+            };
+            if let Some(line) = line {
+                if line != status && status_at.is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+                {
+                    n.notify(&format!("STATUS={line}"));
+                    (status, status_at) = (line, Some(Instant::now()));
+                }
+            }
+            if let Some(every) = n.watchdog_interval() {
+                if last_ping.elapsed() >= every {
+                    let alive = now.running
+                        && !self.workers.threads.iter().any(|t| t.is_finished())
+                        && self.relay.is_none_or(|r| r.is_running());
+                    if alive && now.turns != turns_at_ping {
+                        n.notify("WATCHDOG=1");
+                        (last_ping, turns_at_ping) = (Instant::now(), now.turns);
+                    } else {
+                        log::warn!(
+                            "the consumer made no progress for {every:?}: not feeding the watchdog"
+                        );
+                        last_ping = Instant::now();
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if !stopping {
+            n.notify("STOPPING=1");
+        }
+    }
 }
 
 /// The worker threads of `--receive-only`, each on its own connection.

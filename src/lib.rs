@@ -7,10 +7,10 @@
 // add `impl Inbox` blocks on top of it: `deferred/` (receive, workers, backlog, dead letters, requeue),
 // `outbox.rs`, `retention/prune.rs` (policies, watermarks, pruning), `retention/records.rs` (pruning quarantine
 // and conflict records), `kv.rs` (the key-value state read outside a handler). Highest are `mqtt/` (the
-// connection-agnostic consumer core, the ack gate, the commit loop and its feed, the crate's own connection and
-// consumer, in-order acks, relay; identity extraction is plain data and built without the `mqtt` feature), where
-// the ack follows the commit, and `inspect/` with the durable counters. The `pub use` list below is the whole
-// public surface; the folders stay private.
+// connection-agnostic consumer core, the ack gate, the commit loop and its feed, health events and live
+// statistics, the crate's own connection and consumer, in-order acks, relay; identity extraction is plain data
+// and built without the `mqtt` feature), where the ack follows the commit, and `inspect/` with the durable
+// counters. The `pub use` list below is the whole public surface; the folders stay private.
 
 //! # edge-inbox
 //!
@@ -411,7 +411,9 @@
 //!   and subscribe; hand every PUBLISH for the inbox to `feed.publish_v5(p)`, and call
 //!   `feed.pass_through(pkid)` for the QoS1 publishes of other topics you handle yourself instead of acking
 //!   them (PUBACKs must leave in arrival order); on every `Err` from `recv`/`poll`, call
-//!   `feed.lost_v5(&mut connection.eventloop)` **before polling again**; never ack an inbox delivery
+//!   `feed.lost_v5(&mut connection.eventloop)` **before polling again** (`feed.because(&e).lost_v5(..)`
+//!   gives the loss its cause, for the [health events](#health-events-and-live-statistics)); never ack an
+//!   inbox delivery
 //!   yourself. To stop, `CommitThread::stop` (the batch in flight is committed and its acks queued), then
 //!   disconnect the client and keep polling until the broker closes the connection; `join` gives back the
 //!   summary. `examples/firmware.rs` is that program, tested with kill -9.
@@ -424,6 +426,62 @@
 //! (mosquitto when it is installed, else one embedded in the example's process; `--broker HOST:PORT` in `run`
 //! mode for a real one), publishes order events with a redelivery, a conflicting reuse of an id and a message without an id, and
 //! prints what was reserved.
+//!
+//! ### Health: events and live statistics
+//!
+//! A running consumer is watched from outside through two handles, on [`Consumer`] and on [`ConsumerCore`]
+//! alike (take them before [`ConsumerCore::spawn`]; the [`Feed`]'s commit thread fills them the same way):
+//!
+//! - [`Consumer::events`] / [`ConsumerCore::events`]: a bounded channel of [`HealthEvent`]s: `Connected`
+//!   (connection, session present), `ConnectionLost` (connection, cause: rumqttc's error, or what the
+//!   application gave [`Feed::because`]), and one `Delivery` event per fate of a delivery (processed,
+//!   duplicate, conflict, quarantined, stored, dead-lettered, each failed handler attempt; [`Settled`]) with
+//!   its scope, message id and connection. A channel, not a callback: a callback would run on the commit
+//!   thread, and a slow one (a blocked log sink, a metrics lock) would hold back every commit and PUBACK
+//!   behind it. The commit thread only `try_send`s: when the reader lags the event is dropped and counted
+//!   ([`HealthEvents::dropped`]), so neither the commit path nor memory grows with a slow reader. A
+//!   delivery's event is sent once the commit (or, for a failed attempt, the rollback) that decided it has
+//!   returned, so it is durable when you see it; its PUBACK follows. A batch's events come in arrival order.
+//! - [`Consumer::stats`] / [`ConsumerCore::stats`]: a [`StatsHandle`] whose [`StatsHandle::snapshot`] gives,
+//!   from any thread while `run` runs, the run's [`RunSummary`] so far, the current connection, the last
+//!   loss's cause, the deliveries not yet committed, whether a commit loop runs and how often it turned
+//!   ([`ConsumerStats::turns`]: at least every 100 ms unless a commit or a handler is stuck; what a watchdog
+//!   should check). The commit thread updates it after each batch and loop turn, and skips an update rather
+//!   than wait for a reader that holds its lock.
+//!
+//! ```no_run
+//! # #[cfg(feature = "mqtt")]
+//! # fn main() -> anyhow::Result<()> {
+//! use edge_inbox::{Config, Consumer, HealthEvent, Inbox, MqttConfig, Settled, Tx, Delivery};
+//! let inbox = Inbox::open("/var/lib/gateway/inbox.db", Config::default())?;
+//! let mqtt = MqttConfig::new("broker.local", 1883, "inventory-gw7").subscribe("orders/#");
+//! let mut consumer = Consumer::new(inbox, "inventory-reservation", mqtt);
+//! let stats = consumer.stats();
+//! let events = consumer.events(1024);
+//! std::thread::spawn(move || {
+//!     while let Some(event) = events.recv() {
+//!         match event {
+//!             HealthEvent::ConnectionLost { cause, .. } => eprintln!("broker lost: {cause:?}"),
+//!             HealthEvent::Delivery { outcome: Settled::DeadLettered, message_id, .. } => {
+//!                 eprintln!("dead letter {message_id:?}")
+//!             }
+//!             _ => {}
+//!         }
+//!     }
+//! });
+//! std::thread::spawn(move || loop {
+//!     let s = stats.snapshot();
+//!     println!("connected {} processed {}", s.connection.is_some(), s.summary.processed);
+//!     std::thread::sleep(std::time::Duration::from_secs(10));
+//! });
+//! consumer.run(|_: &mut Tx<'_>, _: &Delivery<'_>| Ok(()))?;
+//! # Ok(()) }
+//! # #[cfg(not(feature = "mqtt"))] fn main() {}
+//! ```
+//!
+//! The library never talks to systemd; `examples/inventory.rs` shows readiness and a watchdog built on these
+//! handles (`READY=1` at the first connection, `WATCHDOG=1` only while [`ConsumerStats::turns`] grows), and
+//! the README a unit file.
 //!
 //! ## Consumer outbox: publishing from a handler
 //!
@@ -702,6 +760,8 @@ pub use crate::mqtt::extract::{
 };
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::gate::{Ack, AckGate, AckSent, ConnectionId, PubAckSender};
+#[cfg(feature = "mqtt")]
+pub use crate::mqtt::health::{ConsumerStats, HealthEvent, HealthEvents, Settled, StatsHandle};
 pub use crate::mqtt::property_bag::PropertyBag;
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::relay::{Relay, RelayConfig, RelayStats};

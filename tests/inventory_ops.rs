@@ -8,10 +8,11 @@ mod common;
 mod inventory_support;
 
 use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixDatagram;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use broker::Broker;
+use broker::{Broker, Kind};
 use inventory_support::{event, event_id, report, run_cmd, spawn_cmd};
 
 const PASSWORD: &str = "pw-never-shown";
@@ -151,4 +152,155 @@ fn a_worker_that_stops_for_good_ends_a_receive_only_run_with_a_failure_exit() {
     // What the consumer stored before the stop was committed and acked, and is still there to apply.
     let r = report(&db);
     assert_eq!(r["pending"], 1, "{r}");
+}
+
+/// The notifications a test's `NOTIFY_SOCKET` received, one line each, in order.
+struct Notifications {
+    socket: UnixDatagram,
+    lines: Vec<String>,
+}
+
+impl Notifications {
+    fn new(socket: UnixDatagram) -> Notifications {
+        socket
+            .set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        Notifications {
+            socket,
+            lines: Vec::new(),
+        }
+    }
+
+    /// Reads for up to `timeout`; true once a line satisfies `f` (among those already read, too).
+    fn until(&mut self, timeout: Duration, f: impl Fn(&str) -> bool) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut checked = 0;
+        loop {
+            if self.lines[checked..].iter().any(|l| f(l)) {
+                return true;
+            }
+            checked = self.lines.len();
+            if Instant::now() >= deadline {
+                return false;
+            }
+            let mut buf = [0u8; 4096];
+            if let Ok(n) = self.socket.recv(&mut buf) {
+                let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                self.lines.extend(text.lines().map(str::to_owned));
+            }
+        }
+    }
+
+    fn count(&self, line: &str) -> usize {
+        self.lines.iter().filter(|l| *l == line).count()
+    }
+}
+
+#[test]
+fn under_systemd_it_is_ready_once_connected_feeds_the_watchdog_and_says_stopping_on_sigterm() {
+    let mut broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inv.db");
+    let path = dir.path().join("notify");
+    let mut notes = Notifications::new(UnixDatagram::bind(&path).unwrap());
+    // mosquitto can be down at the start (the embedded broker lives in this process): readiness must wait
+    // for the connection, not for the start.
+    let down_first = broker.kind == Kind::Mosquitto;
+    if down_first {
+        broker.kill();
+    }
+    let mut cmd = run_cmd(&broker.addr(), &db, "inv-systemd", &[]);
+    cmd.env("NOTIFY_SOCKET", &path)
+        .env("WATCHDOG_USEC", "1000000")
+        .env_remove("WATCHDOG_PID")
+        .env("RUST_LOG", "info");
+    let child = spawn_cmd(cmd);
+    let minute = Duration::from_secs(60);
+    assert!(
+        notes.until(minute, |l| l.starts_with("STATUS=connecting to")),
+        "{:?}",
+        notes.lines
+    );
+    if down_first {
+        // Any READY=1 now would be a lie: nothing listens.
+        assert!(!notes.until(Duration::from_secs(1), |l| l == "READY=1"));
+        broker.start_again();
+    }
+    assert!(notes.until(minute, |l| l == "READY=1"), "{:?}", notes.lines);
+    broker.publish_v5(
+        "orders/1",
+        Some(&event_id(1, "created")),
+        &event(1, "N-1", 1, "created"),
+    );
+    assert!(
+        notes.until(minute, |l| l.starts_with("STATUS=connected")
+            && l.contains("processed 1,")),
+        "{:?}",
+        notes.lines
+    );
+    assert!(
+        notes.until(minute, |l| l == "WATCHDOG=1"),
+        "{:?}",
+        notes.lines
+    );
+    assert!(
+        !notes.lines.iter().any(|l| l == "STOPPING=1"),
+        "{:?}",
+        notes.lines
+    );
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &child.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(
+        notes.until(minute, |l| l == "STOPPING=1"),
+        "{:?}",
+        notes.lines
+    );
+    let out = child.success(minute);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("connected (session present"), "{stderr}");
+    assert_eq!(notes.count("READY=1"), 1, "{:?}", notes.lines);
+    assert_eq!(notes.count("STOPPING=1"), 1, "{:?}", notes.lines);
+    assert_eq!(report(&db)["processed"], 1);
+}
+
+#[test]
+fn an_abstract_notify_socket_is_written_to_and_without_notify_socket_nothing_is_sent() {
+    use std::os::linux::net::SocketAddrExt;
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inv.db");
+    let name = format!("edge-inbox-test-{}-{}", std::process::id(), broker.port);
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    let mut notes = Notifications::new(UnixDatagram::bind_addr(&addr).unwrap());
+    let mut cmd = run_cmd(
+        &broker.addr(),
+        &db,
+        "inv-abstract",
+        &["--exit-when-idle", "1"],
+    );
+    cmd.env("NOTIFY_SOCKET", format!("@{name}"))
+        .env_remove("WATCHDOG_USEC");
+    spawn_cmd(cmd).success(Duration::from_secs(60));
+    assert!(
+        notes.until(Duration::from_secs(5), |l| l == "STOPPING=1"),
+        "{:?}",
+        notes.lines
+    );
+    assert_eq!(notes.count("READY=1"), 1, "{:?}", notes.lines);
+    assert_eq!(notes.count("WATCHDOG=1"), 0, "{:?}", notes.lines);
+    // Without NOTIFY_SOCKET the same run says nothing (this socket stays silent).
+    let mut cmd = run_cmd(
+        &broker.addr(),
+        &db,
+        "inv-abstract",
+        &["--exit-when-idle", "1"],
+    );
+    cmd.env_remove("NOTIFY_SOCKET");
+    spawn_cmd(cmd).success(Duration::from_secs(60));
+    let before = notes.lines.len();
+    notes.until(Duration::from_millis(500), |_| false);
+    assert_eq!(notes.lines.len(), before, "{:?}", notes.lines);
 }

@@ -514,7 +514,7 @@ fn poll_v4(
             Err(e) => {
                 // Before anything else: nothing of the old connection may be acked or handed over any more.
                 // rumqttc keeps publishes it read before the error and yields them after the next ConnAck.
-                if feed.lost_v311(&mut conn.eventloop).is_err() {
+                if feed.because(&e).lost_v311(&mut conn.eventloop).is_err() {
                     return;
                 }
                 refused_oversize = oversize_v4(&e).is_some();
@@ -601,7 +601,7 @@ fn poll_v5(
             Ok(_) => {}
             Err(e) => {
                 // Before anything else: nothing of the old connection may be acked or handed over any more.
-                if feed.lost_v5(&mut conn.eventloop).is_err() {
+                if feed.because(&e).lost_v5(&mut conn.eventloop).is_err() {
                     return;
                 }
                 refused_oversize = oversize_v5(&e).is_some();

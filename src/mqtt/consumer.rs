@@ -14,6 +14,7 @@ pub use crate::mqtt::core::{RunSummary, StopHandle};
 use crate::mqtt::driver::{self, Driver, End, STOP_WAIT};
 use crate::mqtt::extract::{Envelope, ExtractIdentity, UserProperty};
 use crate::mqtt::gate::AckGate;
+use crate::mqtt::health::{HealthEvents, StatsHandle};
 use crate::store::error::{Error, Result};
 
 /// Consumes QoS1 deliveries from an MQTT broker into an [`Inbox`]; you write only the handler.
@@ -144,6 +145,19 @@ impl Consumer {
         self.core.stop_handle()
     }
 
+    /// Live statistics, readable from any thread while [`Consumer::run`] runs: the run's counts so far and
+    /// the connection ([`StatsHandle::snapshot`]).
+    pub fn stats(&self) -> StatsHandle {
+        self.core.stats()
+    }
+
+    /// Connection and outcome events over a bounded channel of `capacity` events; see
+    /// [`ConsumerCore::events`]. At the end of a run a [`HealthEvent::ConnectionLost`](crate::HealthEvent)
+    /// with the cause "the run ended" closes the last connection.
+    pub fn events(&mut self, capacity: usize) -> HealthEvents {
+        self.core.events(capacity)
+    }
+
     /// The inbox, e.g. for [`Inbox::scope_stats`] between runs.
     pub fn inbox(&mut self) -> &mut Inbox {
         self.core.inbox()
@@ -219,6 +233,7 @@ impl Consumer {
         }
         let mut summary = self.core.summary;
         summary.acked = gate.acks_written();
+        self.core.finish_run(&summary);
         let scope = self.core.scope();
         match end {
             Err(e) => {

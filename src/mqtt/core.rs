@@ -12,6 +12,8 @@ use crate::inbox::{Handler, Inbox};
 use crate::mqtt::ack_queue::AckQueue;
 use crate::mqtt::extract::{Envelope, ExtractIdentity, Identity, Inbound, UserProperty};
 use crate::mqtt::gate::{Ack, AckGate, ConnectionId};
+use crate::mqtt::health::{Health, HealthEvents, Settled, StatsHandle};
+pub use crate::mqtt::summary::RunSummary;
 use crate::store::error::{Error, Result};
 use crate::store::identity::Delivery;
 use crate::store::outcome::Outcome;
@@ -37,42 +39,6 @@ impl StopHandle {
     pub fn flag(&self) -> Arc<AtomicBool> {
         self.0.clone()
     }
-}
-
-/// What one run did. In-memory counts of this run only; the durable totals are in [`Inbox::scope_stats`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RunSummary {
-    /// Publishes received (QoS0 and QoS1).
-    pub received: u64,
-    /// PUBACKs written to the broker connection (with [`ConsumerCore`] alone: acks handed back).
-    pub acked: u64,
-    /// Deliveries whose effect was committed.
-    pub processed: u64,
-    /// Deliveries recognised as duplicates.
-    pub duplicates: u64,
-    /// Deliveries recorded as conflicts.
-    pub conflicts: u64,
-    /// Deliveries whose handler failed at least once (each failed attempt rolled back). A delivery tried
-    /// three times counts once here; [`RunSummary::failed_attempts`] counts the attempts.
-    pub handler_failures: u64,
-    /// Handler attempts that failed, all deliveries together.
-    pub failed_attempts: u64,
-    /// Deliveries moved to the dead letters after the last attempt.
-    pub dead_lettered: u64,
-    /// Deliveries quarantined (no identity, malformed envelope, over a limit).
-    pub quarantined: u64,
-    /// Storage errors met (each retried; nothing acked on their account).
-    pub storage_errors: u64,
-    /// Connections accepted by the broker.
-    pub connections: u64,
-    /// Deliveries dropped unacked because their connection ended (the broker redelivers them).
-    pub dropped_stale: u64,
-    /// Deliveries stored as pending (receive-only mode), to be applied by workers.
-    pub stored: u64,
-    /// Batches committed, each in one transaction (group commit); a batch that failed for good and was
-    /// settled one delivery at a time is not counted.
-    pub batches: u64,
 }
 
 /// One received publish on its way to an ack.
@@ -129,6 +95,7 @@ pub struct ConsumerCore {
     pub(crate) summary: RunSummary,
     outcomes: Vec<Outcome>,
     batch: Vec<Pending>,
+    pub(crate) health: Health,
 }
 
 impl std::fmt::Debug for ConsumerCore {
@@ -152,9 +119,11 @@ impl ConsumerCore {
     /// A core for the logical consumer function `scope` (e.g. `inventory-reservation`), with the MQTT 5
     /// [`UserProperty`] extractor, batches of up to 64 and 3 handler attempts.
     pub fn new(inbox: Inbox, scope: impl Into<String>) -> ConsumerCore {
+        let scope = scope.into();
         ConsumerCore {
+            health: Health::new(&scope),
             inbox,
-            scope: scope.into(),
+            scope,
             extractor: Box::new(UserProperty::default()),
             batch_size: 64,
             linger: Duration::ZERO,
@@ -243,6 +212,21 @@ impl ConsumerCore {
         self.stop.clone()
     }
 
+    /// Live statistics of this core, readable from any thread while it runs (take the handle before
+    /// [`ConsumerCore::spawn`]).
+    pub fn stats(&self) -> StatsHandle {
+        self.health.stats()
+    }
+
+    /// The connection and outcome events of this core, over a bounded channel of `capacity` events (at
+    /// least 1). Never blocks the commit thread: an event that finds the channel full is dropped and
+    /// counted ([`HealthEvents::dropped`]). A delivery's event is sent once the commit that decided it
+    /// returned (durable), before its PUBACK; a batch's events in arrival order. Call it before
+    /// [`ConsumerCore::spawn`]; a second call ends the first receiver's stream.
+    pub fn events(&mut self, capacity: usize) -> HealthEvents {
+        self.health.subscribe(capacity)
+    }
+
     /// The inbox, e.g. for [`Inbox::scope_stats`].
     pub fn inbox(&mut self) -> &mut Inbox {
         &mut self.inbox
@@ -277,6 +261,11 @@ impl ConsumerCore {
     /// `session_present` is the CONNACK's flag; a lost session after the first connection is logged.
     pub fn connected(&mut self, connection: ConnectionId, session_present: bool) {
         self.summary.connections += 1;
+        if let Some(old) = self.connection.filter(|&old| old != connection) {
+            // Not told of its end: it ends here.
+            self.health
+                .lost(old, Some("a new connection began".to_owned()));
+        }
         self.drop_held("reconnected");
         self.connection = Some(connection);
         if !session_present && self.summary.connections > 1 {
@@ -285,14 +274,55 @@ impl ConsumerCore {
                  deliveries published while we were away may not arrive"
             );
         }
+        self.health.connected(connection, session_present);
+        self.publish_stats();
     }
 
     /// `connection` ended: what is held from it is dropped unacked, acks not yet taken are discarded.
     pub fn connection_lost(&mut self, connection: ConnectionId) {
+        self.connection_lost_because(connection, None);
+    }
+
+    /// [`ConsumerCore::connection_lost`], with the cause for its [`HealthEvent`](crate::HealthEvent).
+    pub fn connection_lost_because(&mut self, connection: ConnectionId, cause: Option<String>) {
         if self.connection == Some(connection) {
             self.drop_held("the connection ended");
             self.connection = None;
+            self.health.lost(connection, cause);
+            self.publish_stats();
         }
+    }
+
+    /// A run over a connection of the crate's own ended: that connection is closed.
+    pub(crate) fn finish_run(&mut self, summary: &RunSummary) {
+        let connection = self.connection.take();
+        self.health.finish(summary, connection);
+    }
+
+    /// Publishes the counts to the [`StatsHandle`]s.
+    pub(crate) fn publish_stats(&self) {
+        self.health
+            .publish(&self.summary, self.connection, self.held.len());
+    }
+
+    /// Counts a delivery's fate and notes its event.
+    fn settled(&mut self, message_id: Option<&str>, outcome: Settled) {
+        let s = &mut self.summary;
+        match outcome {
+            Settled::Processed => s.processed += 1,
+            Settled::Duplicate => s.duplicates += 1,
+            Settled::Conflict => s.conflicts += 1,
+            Settled::Quarantined => s.quarantined += 1,
+            Settled::Stored => s.stored += 1,
+            Settled::DeadLettered => s.dead_lettered += 1,
+            Settled::HandlerFailed { attempt } => {
+                s.failed_attempts += 1;
+                if attempt == 1 {
+                    s.handler_failures += 1;
+                }
+            }
+        }
+        self.health.settled(self.connection, message_id, outcome);
     }
 
     fn drop_held(&mut self, why: &str) {
@@ -365,6 +395,9 @@ impl ConsumerCore {
         let result = self.settle_batch(&mut batch, handler);
         batch.clear();
         self.batch = batch;
+        // Whatever was decided is durable, even when the batch then gave up.
+        self.health.flush();
+        self.publish_stats();
         match result {
             Ok(true) => {
                 self.release_acks();
@@ -405,6 +438,7 @@ impl ConsumerCore {
                 p.inbound.topic,
                 p.inbound.payload.len()
             );
+            self.health.ticket = p.ticket;
             let scope = self.scope.clone();
             let inbound = &p.inbound;
             let kept = self.retry("quarantine", |inbox| match &known {
@@ -415,9 +449,15 @@ impl ConsumerCore {
             })?;
             match kept {
                 None => return Ok(false),
-                Some(Some(_)) => self.summary.quarantined += 1,
+                Some(Some(_)) => self.settled(
+                    known.as_ref().map(|id| id.message_id.as_str()),
+                    Settled::Quarantined,
+                ),
                 // Its sequence was claimed by this very message before: a redelivery.
-                Some(None) => self.summary.duplicates += 1,
+                Some(None) => self.settled(
+                    known.as_ref().map(|id| id.message_id.as_str()),
+                    Settled::Duplicate,
+                ),
             }
             self.queue.settle(p.ticket);
         }
@@ -464,6 +504,7 @@ impl ConsumerCore {
                 self.summary.batches += 1;
                 let mut result = Ok(true);
                 for (k, outcome) in outcomes.drain(..).enumerate() {
+                    self.health.ticket = batch[good[k]].ticket;
                     match self.settle_one(&deliveries[k], outcome, handler) {
                         Ok(true) => self.queue.settle(batch[good[k]].ticket),
                         other => {
@@ -482,6 +523,7 @@ impl ConsumerCore {
                 );
                 let mut result = Ok(true);
                 for (k, d) in deliveries.iter().enumerate() {
+                    self.health.ticket = batch[good[k]].ticket;
                     let alone = self.attempt("commit", |inbox| {
                         if receive_only {
                             inbox.receive(d)
@@ -521,8 +563,7 @@ impl ConsumerCore {
     ) -> Result<bool> {
         match outcome {
             Outcome::HandlerFailed(err) => {
-                self.summary.handler_failures += 1;
-                self.summary.failed_attempts += 1;
+                self.settled(Some(d.message_id), Settled::HandlerFailed { attempt: 1 });
                 self.retry_handler(d, err, handler)
             }
             Outcome::Expired {
@@ -531,7 +572,7 @@ impl ConsumerCore {
                 pruned_before,
             } => self.quarantine_expired(d, sent_at, pruned_before),
             other => {
-                self.count(&other);
+                self.count(d, &other);
                 Ok(true)
             }
         }
@@ -552,7 +593,7 @@ impl ConsumerCore {
             inbox.quarantine(d.scope, d.topic, d.payload, &reason)
         })?;
         if kept.is_some() {
-            self.summary.quarantined += 1;
+            self.settled(Some(d.message_id), Settled::Quarantined);
         }
         Ok(kept.is_some())
     }
@@ -576,7 +617,10 @@ impl ConsumerCore {
                     return self.dead_letter(d, attempts, &reason);
                 }
                 Tried::Done(Outcome::HandlerFailed(e)) => {
-                    self.summary.failed_attempts += 1;
+                    self.settled(
+                        Some(d.message_id),
+                        Settled::HandlerFailed { attempt: attempts },
+                    );
                     err = e;
                 }
                 Tried::Done(Outcome::Expired {
@@ -587,7 +631,7 @@ impl ConsumerCore {
                     return self.quarantine_expired(d, sent_at, pruned_before);
                 }
                 Tried::Done(o) => {
-                    self.count(&o);
+                    self.count(d, &o);
                     return Ok(true);
                 }
             }
@@ -604,7 +648,7 @@ impl ConsumerCore {
         })? {
             None => Ok(false),
             Some(Outcome::Processed) => {
-                self.summary.dead_lettered += 1;
+                self.settled(Some(d.message_id), Settled::DeadLettered);
                 Ok(true)
             }
             Some(Outcome::Expired {
@@ -613,23 +657,24 @@ impl ConsumerCore {
                 pruned_before,
             }) => self.quarantine_expired(d, sent_at, pruned_before),
             Some(other) => {
-                self.count(&other);
+                self.count(d, &other);
                 Ok(true)
             }
         }
     }
 
     /// Counts a settled outcome.
-    fn count(&mut self, outcome: &Outcome) {
-        match outcome {
-            Outcome::Processed => self.summary.processed += 1,
-            Outcome::Duplicate => self.summary.duplicates += 1,
-            Outcome::Conflict { .. } => self.summary.conflicts += 1,
-            Outcome::Expired { .. } => self.summary.quarantined += 1,
-            Outcome::Received => self.summary.stored += 1,
+    fn count(&mut self, d: &Delivery<'_>, outcome: &Outcome) {
+        let settled = match outcome {
+            Outcome::Processed => Settled::Processed,
+            Outcome::Duplicate => Settled::Duplicate,
+            Outcome::Conflict { .. } => Settled::Conflict,
+            Outcome::Expired { .. } => Settled::Quarantined,
+            Outcome::Received => Settled::Stored,
             // Handler failures are counted where they are retried.
-            _ => {}
-        }
+            _ => return,
+        };
+        self.settled(Some(d.message_id), settled);
     }
 
     /// Runs `f` until it succeeds, backing off on errors, whatever they are: for the durable records that

@@ -21,6 +21,7 @@ pub(crate) enum Event {
     },
     Lost {
         connection: ConnectionId,
+        cause: Option<String>,
     },
     Publish {
         connection: ConnectionId,
@@ -60,6 +61,8 @@ pub struct Feed {
     tx: SyncSender<Event>,
     gate: AckGate,
     current: ConnectionId,
+    /// The cause for the next `lost`, set by [`Feed::because`].
+    cause: Option<String>,
 }
 
 impl fmt::Debug for Feed {
@@ -88,12 +91,22 @@ impl Feed {
         Ok(self.current)
     }
 
+    /// Why the connection ended, for the next [`Feed::lost`] (or `lost_v5`, `lost_v311`) to carry in its
+    /// [`HealthEvent::ConnectionLost`](crate::HealthEvent::ConnectionLost):
+    /// `feed.because(&e).lost_v5(&mut connection.eventloop)`.
+    pub fn because(&mut self, cause: impl fmt::Display) -> &mut Self {
+        self.cause = Some(cause.to_string());
+        self
+    }
+
     /// The connection ended: `purge` drops the PUBACKs still queued in the client, under the gate's lock
     /// (see [`AckGate::lost`]). Call it for every error `poll`/`recv` returns, before polling again.
     pub fn lost(&mut self, purge: impl FnOnce()) -> std::result::Result<(), FeedClosed> {
         self.gate.lost(purge);
+        let cause = self.cause.take();
         self.send(Event::Lost {
             connection: self.current,
+            cause,
         })
     }
 
@@ -103,8 +116,10 @@ impl Feed {
         eventloop: &mut rumqttc::v5::EventLoop,
     ) -> std::result::Result<(), FeedClosed> {
         self.gate.lost_v5(eventloop);
+        let cause = self.cause.take();
         self.send(Event::Lost {
             connection: self.current,
+            cause,
         })
     }
 
@@ -114,8 +129,10 @@ impl Feed {
         eventloop: &mut rumqttc::EventLoop,
     ) -> std::result::Result<(), FeedClosed> {
         self.gate.lost_v311(eventloop);
+        let cause = self.cause.take();
         self.send(Event::Lost {
             connection: self.current,
+            cause,
         })
     }
 
@@ -180,6 +197,7 @@ pub(crate) fn channel(window: usize, gate: AckGate) -> (Feed, Receiver<Event>) {
             tx,
             gate,
             current: ConnectionId(0),
+            cause: None,
         },
         rx,
     )
@@ -239,7 +257,10 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         let mut connections_seen = self.core.summary.connections;
         let mut backlog_checked = Instant::now();
         let stop = self.core.stop.clone();
+        let _running = self.core.health.running();
         loop {
+            self.core.health.turn();
+            self.core.publish_stats();
             if stop.is_stopped() {
                 return Ok(End::Stopped);
             }
@@ -308,7 +329,9 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                     connection,
                     session_present,
                 } => self.core.connected(connection, session_present),
-                Event::Lost { connection } => self.core.connection_lost(connection),
+                Event::Lost { connection, cause } => {
+                    self.core.connection_lost_because(connection, cause)
+                }
                 Event::Publish {
                     connection,
                     inbound,
@@ -464,6 +487,8 @@ impl ConsumerCore {
                 let result = Driver::new(&mut core, &rx, &gate, &client, window)
                     .run(&mut handler)
                     .map(|_| core.summary);
+                core.health
+                    .publish_final(&core.summary, core.connection(), core.unsettled());
                 (core, result)
             })?;
         Ok((feed, CommitThread { handle, stop }))

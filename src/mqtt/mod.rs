@@ -16,8 +16,12 @@ pub(crate) mod driver;
 pub(crate) mod extract;
 #[cfg(feature = "mqtt")]
 pub(crate) mod gate;
+#[cfg(feature = "mqtt")]
+pub(crate) mod health;
 pub(crate) mod property_bag;
 #[cfg(feature = "mqtt")]
 pub(crate) mod relay;
+#[cfg(feature = "mqtt")]
+pub(crate) mod summary;
 #[cfg(feature = "mqtt")]
 pub(crate) mod tls;

@@ -1,0 +1,40 @@
+//! What one run of a consumer did, counted in memory: the summary a run returns and its live statistics
+//! carry.
+
+/// What one run did. In-memory counts of this run only; the durable totals are in
+/// [`Inbox::scope_stats`](crate::Inbox::scope_stats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RunSummary {
+    /// Publishes received (QoS0 and QoS1).
+    pub received: u64,
+    /// PUBACKs written to the broker connection (with [`ConsumerCore`](crate::ConsumerCore) alone: acks
+    /// handed back).
+    pub acked: u64,
+    /// Deliveries whose effect was committed.
+    pub processed: u64,
+    /// Deliveries recognised as duplicates.
+    pub duplicates: u64,
+    /// Deliveries recorded as conflicts.
+    pub conflicts: u64,
+    /// Deliveries whose handler failed at least once (each failed attempt rolled back). A delivery tried
+    /// three times counts once here; [`RunSummary::failed_attempts`] counts the attempts.
+    pub handler_failures: u64,
+    /// Handler attempts that failed, all deliveries together.
+    pub failed_attempts: u64,
+    /// Deliveries moved to the dead letters after the last attempt.
+    pub dead_lettered: u64,
+    /// Deliveries quarantined (no identity, malformed envelope, over a limit).
+    pub quarantined: u64,
+    /// Storage errors met (each retried; nothing acked on their account).
+    pub storage_errors: u64,
+    /// Connections accepted by the broker.
+    pub connections: u64,
+    /// Deliveries dropped unacked because their connection ended (the broker redelivers them).
+    pub dropped_stale: u64,
+    /// Deliveries stored as pending (receive-only mode), to be applied by workers.
+    pub stored: u64,
+    /// Batches committed, each in one transaction (group commit); a batch that failed for good and was
+    /// settled one delivery at a time is not counted.
+    pub batches: u64,
+}

@@ -1,0 +1,377 @@
+//! A running consumer seen from outside, against a real broker (mosquitto or the embedded one): connection
+//! and outcome events in order and matching the run's counts, live statistics read from another thread while
+//! `run` runs, and the loss of a connection when the broker dies.
+#![cfg(feature = "mqtt")]
+
+mod broker;
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use broker::{inventory_handler, publish_v5, Broker, Kind, Msg};
+use edge_inbox::{
+    BacklogThreshold, Config, Consumer, HealthEvent, HealthEvents, Inbox, MqttConfig, RunSummary,
+    Settled, StatsHandle, StopHandle,
+};
+
+const SCOPE: &str = "inventory-reservation";
+
+fn consumer(broker: &Broker, db: &Path, client_id: &str) -> Consumer {
+    let _ = env_logger::builder().is_test(true).try_init();
+    let inbox = Inbox::open(db, Config::default()).unwrap();
+    let mqtt = MqttConfig::new("127.0.0.1", broker.port, client_id).subscribe("orders/#");
+    Consumer::new(inbox, SCOPE, mqtt).handler_attempts(3)
+}
+
+/// Connects once so the broker holds a persistent, subscribed session for `client_id`.
+fn prime(broker: &Broker, db: &Path, client_id: &str) {
+    let s = consumer(broker, db, client_id)
+        .exit_when_idle(Duration::from_millis(300))
+        .run(inventory_handler)
+        .unwrap();
+    assert!(s.connections >= 1, "never connected: {s:?}");
+}
+
+fn order(order: u32, sku: &str, qty: i64, kind: &str) -> String {
+    format!(r#"{{"order":{order},"sku":"{sku}","qty":{qty},"kind":"{kind}"}}"#)
+}
+
+fn drain(events: &HealthEvents) -> Vec<HealthEvent> {
+    std::iter::from_fn(|| events.try_recv()).collect()
+}
+
+/// The delivery events as (message id, outcome).
+fn deliveries(events: &[HealthEvent]) -> Vec<(Option<String>, Settled)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            HealthEvent::Delivery {
+                message_id,
+                outcome,
+                scope,
+                ..
+            } => {
+                assert_eq!(&**scope, SCOPE);
+                Some((message_id.clone(), *outcome))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// What the delivery events add up to, counted as a [`RunSummary`] counts.
+fn counted(events: &[HealthEvent]) -> [u64; 7] {
+    let mut c = [0u64; 7];
+    for (_, outcome) in deliveries(events) {
+        match outcome {
+            Settled::Processed => c[0] += 1,
+            Settled::Duplicate => c[1] += 1,
+            Settled::Conflict => c[2] += 1,
+            Settled::Quarantined => c[3] += 1,
+            Settled::DeadLettered => c[4] += 1,
+            Settled::Stored => c[5] += 1,
+            Settled::HandlerFailed { .. } => c[6] += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    c
+}
+
+fn summary_counts(s: &RunSummary) -> [u64; 7] {
+    [
+        s.processed,
+        s.duplicates,
+        s.conflicts,
+        s.quarantined,
+        s.dead_lettered,
+        s.stored,
+        s.failed_attempts,
+    ]
+}
+
+#[test]
+fn events_come_in_arrival_order_and_add_up_to_the_run_summary() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    prime(&broker, &db, "health-order");
+    let msgs = vec![
+        Msg::new("orders/1", Some("evt-1"), order(1, "A-1", 1, "created")),
+        // A redelivery: recognised.
+        Msg::new("orders/1", Some("evt-1"), order(1, "A-1", 1, "created")),
+        Msg::new("orders/2", Some("evt-2"), order(2, "A-1", 2, "created")),
+        // The same id with other content.
+        Msg::new("orders/2", Some("evt-2"), order(2, "A-1", 7, "created")),
+        // No id at all.
+        Msg::new("orders/3", None, order(3, "A-1", 9, "created")),
+        // The handler refuses it every time: three attempts, then a dead letter.
+        Msg::new("orders/4", Some("evt-4"), order(4, "A-1", 1, "bogus")),
+        Msg::new("orders/5", Some("evt-5"), order(5, "B-2", 1, "created")),
+    ];
+    publish_v5(broker.port, &msgs);
+
+    let mut c = consumer(&broker, &db, "health-order").exit_when_idle(Duration::from_millis(1500));
+    let events = c.events(1024);
+    let s = c.run(inventory_handler).unwrap();
+    let got = drain(&events);
+    assert_eq!(events.dropped(), 0);
+
+    let id = |s: &str| Some(s.to_owned());
+    assert_eq!(
+        deliveries(&got),
+        vec![
+            (id("evt-1"), Settled::Processed),
+            (id("evt-1"), Settled::Duplicate),
+            (id("evt-2"), Settled::Processed),
+            (id("evt-2"), Settled::Conflict),
+            (None, Settled::Quarantined),
+            (id("evt-4"), Settled::HandlerFailed { attempt: 1 }),
+            (id("evt-4"), Settled::HandlerFailed { attempt: 2 }),
+            (id("evt-4"), Settled::HandlerFailed { attempt: 3 }),
+            (id("evt-4"), Settled::DeadLettered),
+            (id("evt-5"), Settled::Processed),
+        ],
+        "{got:#?}"
+    );
+    // The connection opens the stream and closes it; every delivery came on it.
+    let first = match &got[0] {
+        HealthEvent::Connected {
+            connection,
+            session_present,
+        } => {
+            assert!(session_present, "{got:#?}");
+            *connection
+        }
+        other => panic!("first event {other:?}"),
+    };
+    match got.last().unwrap() {
+        HealthEvent::ConnectionLost { connection, cause } => {
+            assert_eq!(*connection, first);
+            assert_eq!(cause.as_deref(), Some("the run ended"));
+        }
+        other => panic!("last event {other:?}"),
+    }
+    for e in &got {
+        if let HealthEvent::Delivery { connection, .. } = e {
+            assert_eq!(*connection, first);
+        }
+    }
+    assert_eq!(counted(&got), summary_counts(&s), "{s:?}");
+    assert_eq!((s.handler_failures, s.failed_attempts), (1, 3), "{s:?}");
+    // The live statistics end with the run's summary.
+    let end = c.stats().snapshot();
+    assert_eq!(end.summary, s);
+    assert!(!end.running && end.connection.is_none(), "{end:?}");
+}
+
+#[test]
+fn a_receive_only_run_reports_each_delivery_as_stored() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    prime(&broker, &db, "health-stored");
+    let msgs: Vec<Msg> = (1..=4)
+        .map(|i| {
+            Msg::new(
+                &format!("orders/{i}"),
+                Some(&format!("evt-{i}")),
+                order(i, "S-1", 1, "created"),
+            )
+        })
+        .collect();
+    publish_v5(broker.port, &msgs);
+    let mut c = consumer(&broker, &db, "health-stored")
+        .receive_only(BacklogThreshold::default())
+        .exit_when_idle(Duration::from_millis(1500));
+    let events = c.events(64);
+    let s = c.run(inventory_handler).unwrap();
+    let got = drain(&events);
+    let want: Vec<_> = (1..=4)
+        .map(|i| (Some(format!("evt-{i}")), Settled::Stored))
+        .collect();
+    assert_eq!(deliveries(&got), want, "{got:#?}");
+    assert_eq!(counted(&got), summary_counts(&s), "{s:?}");
+}
+
+/// Stops the consumer when dropped: a failed assertion must end the test, not leave `run` running in the
+/// thread scope that waits for it.
+struct StopOnDrop(StopHandle);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}
+
+/// Waits, bounded, for the statistics to satisfy `f`.
+fn wait_stats(stats: &StatsHandle, what: &str, f: impl Fn(&edge_inbox::ConsumerStats) -> bool) {
+    let found = common::wait_for(Duration::from_secs(60), || {
+        let s = stats.snapshot();
+        f(&s).then_some(())
+    });
+    assert!(found.is_some(), "{what}: {:?}", stats.snapshot());
+}
+
+#[test]
+fn statistics_read_from_another_thread_change_while_the_run_goes_on() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    prime(&broker, &db, "health-live");
+    let mut c = consumer(&broker, &db, "health-live");
+    let stats = c.stats();
+    let stop = c.stop_handle();
+    assert!(!stats.snapshot().running);
+    std::thread::scope(|scope| {
+        let run = scope.spawn(|| c.run(inventory_handler));
+        let _stop_on_panic = StopOnDrop(stop.clone());
+        wait_stats(&stats, "connected", |s| s.running && s.connection.is_some());
+        let before = stats.snapshot();
+        assert_eq!(before.summary.processed, 0, "{before:?}");
+        let msgs: Vec<Msg> = (1..=5)
+            .map(|i| {
+                Msg::new(
+                    &format!("orders/{i}"),
+                    Some(&format!("live-{i}")),
+                    order(i, "L-1", 1, "created"),
+                )
+            })
+            .collect();
+        publish_v5(broker.port, &msgs);
+        wait_stats(&stats, "five processed", |s| {
+            s.summary.processed == 5 && s.summary.acked == 5
+        });
+        // Still running, and its loop turns while idle.
+        let mid = stats.snapshot();
+        assert!(mid.running && !run.is_finished(), "{mid:?}");
+        wait_stats(&stats, "the loop turns", |s| s.turns > mid.turns);
+        stop.stop();
+        let s = run.join().unwrap().unwrap();
+        let end = stats.snapshot();
+        assert_eq!(end.summary, s);
+        assert!(!end.running, "{end:?}");
+        assert_eq!((s.processed, s.received), (5, 5), "{s:?}");
+    });
+}
+
+#[test]
+fn a_broker_that_dies_gives_a_lost_event_with_its_cause_then_a_new_connection() {
+    let mut broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let mut c = consumer(&broker, &db, "health-lost");
+    let events = c.events(256);
+    let stats = c.stats();
+    let stop = c.stop_handle();
+    std::thread::scope(|scope| {
+        let run = scope.spawn(|| c.run(inventory_handler));
+        let _stop_on_panic = StopOnDrop(stop.clone());
+        let next = || {
+            events
+                .recv_timeout(Duration::from_secs(60))
+                .expect("an event in time")
+        };
+        let first = match next() {
+            HealthEvent::Connected { connection, .. } => connection,
+            other => panic!("{other:?}"),
+        };
+        match broker.kind {
+            Kind::Mosquitto => {
+                broker.kill();
+                broker.start_again();
+            }
+            Kind::Embedded => broker.drop_connections(),
+        }
+        match next() {
+            HealthEvent::ConnectionLost { connection, cause } => {
+                assert_eq!(connection, first);
+                let cause = cause.expect("a cause");
+                assert!(!cause.is_empty());
+                eprintln!("lost: {cause}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let second = match next() {
+            HealthEvent::Connected { connection, .. } => connection,
+            other => panic!("{other:?}"),
+        };
+        assert_ne!(second, first);
+        wait_stats(&stats, "the second connection", |s| {
+            s.connection == Some(second) && s.last_lost_cause.is_some()
+        });
+        // Deliveries on the new connection are tagged with it. (Published again until one arrives: the
+        // broker may have lost the session with its subscription, which the consumer makes again.)
+        let mut tries = 0;
+        let got = common::wait_for(Duration::from_secs(60), || {
+            tries += 1;
+            let id = format!("after-{tries}");
+            publish_v5(
+                broker.port,
+                &[Msg::new(
+                    "orders/9",
+                    Some(&id),
+                    order(9, "K-1", 1, "created"),
+                )],
+            );
+            events.recv_timeout(Duration::from_secs(2))
+        });
+        match got.expect("a delivery on the new connection") {
+            HealthEvent::Delivery {
+                connection,
+                message_id,
+                outcome,
+                ..
+            } => {
+                assert_eq!(connection, second);
+                assert!(message_id.unwrap().starts_with("after-"));
+                assert_eq!(outcome, Settled::Processed);
+            }
+            other => panic!("{other:?}"),
+        }
+        stop.stop();
+        let s = run.join().unwrap().unwrap();
+        assert!(s.connections >= 2, "{s:?}");
+    });
+}
+
+#[test]
+fn a_core_told_of_a_new_connection_first_ends_the_old_one_in_its_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    let mut core = edge_inbox::ConsumerCore::new(inbox, SCOPE);
+    let events = core.events(16);
+    let gate = edge_inbox::AckGate::new();
+    let first = gate.connected();
+    core.connected(first, false);
+    let second = gate.connected();
+    core.connected(second, true);
+    core.connection_lost_because(second, Some("socket closed".into()));
+    // A loss told twice is one event.
+    core.connection_lost(second);
+    assert_eq!(
+        drain(&events),
+        vec![
+            HealthEvent::Connected {
+                connection: first,
+                session_present: false
+            },
+            HealthEvent::ConnectionLost {
+                connection: first,
+                cause: Some("a new connection began".into())
+            },
+            HealthEvent::Connected {
+                connection: second,
+                session_present: true
+            },
+            HealthEvent::ConnectionLost {
+                connection: second,
+                cause: Some("socket closed".into())
+            },
+        ]
+    );
+    let s = core.stats().snapshot();
+    assert_eq!(s.connection, None);
+    assert_eq!(s.last_lost_cause.as_deref(), Some("socket closed"));
+    assert_eq!(s.summary.connections, 2);
+}
