@@ -687,6 +687,8 @@ pub use crate::deferred::worker::{Claim, Completion, Drained, Worker, WorkerConf
 pub use crate::inbox::{Handler, Inbox};
 pub use crate::inspect::stats::ScopeStats;
 pub use crate::inspect::{BytesWritten, FileSizes, ScopeReport};
+#[cfg(feature = "tokio")]
+pub use crate::mqtt::async_feed::AsyncFeed;
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::conn::{MqttConfig, Protocol, DEFAULT_MAX_PACKET};
 #[cfg(feature = "mqtt")]

@@ -5,6 +5,8 @@
 
 #[cfg(feature = "mqtt")]
 pub(crate) mod ack_queue;
+#[cfg(feature = "tokio")]
+pub(crate) mod async_feed;
 #[cfg(feature = "mqtt")]
 pub(crate) mod conn;
 #[cfg(feature = "mqtt")]
