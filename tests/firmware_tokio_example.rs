@@ -22,6 +22,11 @@ fn firmware_tokio_stops_on_sigterm_after_acking_what_it_committed() {
 }
 
 #[test]
+fn firmware_tokio_stops_on_sigterm_mid_stream_acking_what_it_committed_and_nothing_else() {
+    firmware_support::sigterm_mid_stream_acks_what_it_committed_and_nothing_else(EXAMPLE, "ft4");
+}
+
+#[test]
 fn kill9_firmware_tokio_at_random_moments_loses_and_doubles_no_command() {
     firmware_support::kill9_at_random_moments_loses_and_doubles_no_command(EXAMPLE, "ft3");
 }

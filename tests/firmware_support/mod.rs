@@ -147,6 +147,57 @@ pub fn stops_on_sigterm_after_acking_what_it_committed(example: &str, device: &s
     assert_eq!(s["duplicates"].as_u64(), Some(0), "{s}");
 }
 
+/// SIGTERM while commands stream in: the run exits successfully having acked exactly what it committed, so
+/// the next run gets no redelivery of it (no duplicate) and every command it left uncommitted (none lost).
+pub fn sigterm_mid_stream_acks_what_it_committed_and_nothing_else(example: &str, device: &str) {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("fw.db");
+    run_until_idle(example, &broker, &db, device);
+    let n = common::scaled(600) as i64;
+    let stream: Vec<Msg> = (1..=n).map(|i| command(device, i)).collect();
+    // Slow commands: batches take a while, so the stop lands in one.
+    let child = spawn_cmd(firmware(
+        example,
+        &broker,
+        &db,
+        device,
+        &["--apply-ms", "3"],
+    ));
+    let port = broker.port;
+    let publisher = std::thread::spawn(move || {
+        for chunk in stream.chunks(10) {
+            publish_v5(port, chunk);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while state(&db, "count") < n / 4 {
+        assert!(Instant::now() < deadline, "commands not applied");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(Command::new("kill")
+        .args(["-TERM", &child.pid().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let out = child.success(Duration::from_secs(60));
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let committed = s["processed"].as_i64().unwrap();
+    assert_eq!(state(&db, "count"), committed, "{s}");
+    publisher.join().unwrap();
+    let s = run_until_idle(example, &broker, &db, device);
+    assert_eq!(
+        (s["duplicates"].as_i64(), s["processed"].as_i64()),
+        (Some(0), Some(n - committed)),
+        "{committed} committed before the stop; then {s}"
+    );
+    assert_eq!(
+        (state(&db, "count"), state(&db, "sum")),
+        (n, n * (n + 1) / 2)
+    );
+}
+
 struct Rng(u64);
 
 impl Rng {
