@@ -41,6 +41,9 @@ struct Args {
     /// Exit once no command has arrived for this many seconds (tests, batch jobs).
     #[arg(long)]
     exit_when_idle: Option<u64>,
+    /// Milliseconds each command takes to apply (a slow actuator: the tests stop it mid-batch).
+    #[arg(long, default_value_t = 0)]
+    apply_ms: u64,
 }
 
 const SCOPE: &str = "firmware-commands";
@@ -58,6 +61,13 @@ fn apply(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
     tx.put("sum", &(sum + add))?;
     tx.put("count", &(count + 1))?;
     Ok(())
+}
+
+fn slowed(apply_ms: u64) -> impl FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()> + Send {
+    move |tx, d| {
+        std::thread::sleep(Duration::from_millis(apply_ms));
+        apply(tx, d)
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -85,7 +95,7 @@ fn main() -> anyhow::Result<()> {
     if let Some(idle) = args.exit_when_idle {
         core = core.exit_when_idle(Duration::from_secs(idle));
     }
-    let (mut feed, commits) = core.spawn(apply, client.clone(), WINDOW)?;
+    let (mut feed, commits) = core.spawn(slowed(args.apply_ms), client.clone(), WINDOW)?;
 
     let stop = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGTERM, stop.clone())?;

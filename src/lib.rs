@@ -401,7 +401,7 @@
 //!               on N+1 and the inbox recognises what was committed (a duplicate, acked then).
 //! ```
 //!
-//! Three ways to run:
+//! ### Three ways to run
 //!
 //! - **The crate's connection**: [`Consumer::run`]; the calling thread is the commit thread.
 //! - **Your own connection** (one rumqttc client for telemetry and commands): build the client with
@@ -417,10 +417,92 @@
 //!   yourself. To stop, `CommitThread::stop` (the batch in flight is committed and its acks queued), then
 //!   disconnect the client and keep polling until the broker closes the connection; `join` gives back the
 //!   summary. `examples/firmware.rs` is that program, tested with kill -9.
-//! - **Driving the core directly** (a single thread, your own channel): call `push`/`connected`/
-//!   `connection_lost` in the order events happened, `settle` from a thread that may block, and send each
-//!   `pop_ack()` with [`AckGate::send`]; give the core the same gate ([`ConsumerCore::gate`]) so that its
-//!   storage retries give up on a batch whose connection has ended.
+//! - **On tokio** (feature `tokio`, on by default: rumqttc already builds every part of tokio it uses, so it
+//!   compiles no other crate). With your own `AsyncClient` and `EventLoop`, the same steps through
+//!   `AsyncFeed` (the async [`Feed`]: a full channel is waited on in tokio's blocking pool, never on a
+//!   runtime thread), and the stop through `CommitThread::join_until(cancel)`, from a task beside the one
+//!   that polls (which keeps writing the last PUBACKs), with the DISCONNECT queued once it has returned.
+//!   With the crate's connection, `Consumer::run_until(handler, cancel)`. Commits stay on the commit
+//!   thread (or tokio's blocking pool), so both work on a current-thread runtime; when `cancel` completes,
+//!   or the future is dropped, the run stops gracefully: what it committed is acked, nothing else.
+//!   `examples/firmware_tokio.rs` is the firmware above on a current-thread runtime, stopped by tokio's
+//!   signal handler, tested with SIGTERM mid-batch and kill -9.
+//!
+//! Entry points rather than a documented pattern, because the pattern's traps are the product's promise: a
+//! [`Feed`] call blocks its thread when the channel is full (a current-thread runtime then stalls, the
+//! broker's keep-alive with it), a stop that disconnects before the commit thread has queued its last
+//! acks leaves committed deliveries unacked, and a dropped future must not leave a consumer running. The
+//! loop that polls the event loop stays the application's own, since it also carries telemetry, other
+//! subscriptions and its reconnect policy; the crate opens no second connection and starts no runtime for
+//! it.
+//!
+//! ```no_run
+//! # #[cfg(feature = "tokio")]
+//! # mod doc {
+//! use std::time::Duration;
+//!
+//! use edge_inbox::{AsyncFeed, Config, ConsumerCore, Delivery, Inbox, Tx};
+//! use rumqttc::v5::mqttbytes::QoS;
+//! use rumqttc::v5::{AsyncClient, Event, Incoming, MqttOptions};
+//!
+//! fn apply(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
+//!     tx.put("last-command", &String::from_utf8_lossy(d.payload).into_owned())?;
+//!     Ok(())
+//! }
+//!
+//! pub async fn firmware() -> anyhow::Result<()> {
+//!     let mut options = MqttOptions::new("gw7", "hub.example", 1883);
+//!     options.set_clean_start(false).set_manual_acks(true);
+//!     options.set_session_expiry_interval(Some(7 * 24 * 3600));
+//!     options.set_receive_maximum(Some(20));
+//!     options.set_max_packet_size(Some(edge_inbox::DEFAULT_MAX_PACKET));
+//!     let (client, mut eventloop) = AsyncClient::new(options, 64);
+//!     let inbox = tokio::task::spawn_blocking(|| Inbox::open("/var/lib/gw/inbox.db", Config::default()))
+//!         .await??;
+//!     let (feed, commits) = ConsumerCore::new(inbox, "commands").spawn(apply, client.clone(), 20)?;
+//!     let mut feed = AsyncFeed::new(feed);
+//!     let stopper = {
+//!         let client = client.clone();
+//!         tokio::spawn(async move {
+//!             let ctrl_c = async {
+//!                 let _ = tokio::signal::ctrl_c().await;
+//!             };
+//!             let (_core, summary) = commits.join_until(ctrl_c).await; // last acks queued
+//!             let _ = client.disconnect().await; // behind them
+//!             summary
+//!         })
+//!     };
+//!     loop {
+//!         // A closed feed (`Err`) means the commit thread has ended: the stopper takes it from there.
+//!         match eventloop.poll().await {
+//!             Ok(Event::Incoming(Incoming::ConnAck(ack))) => {
+//!                 let _ = feed.connected(ack.session_present).await;
+//!                 client.try_subscribe("cmd/gw7/#", QoS::AtLeastOnce)?;
+//!             }
+//!             Ok(Event::Incoming(Incoming::Publish(p))) => {
+//!                 let _ = feed.publish_v5(p).await;
+//!             }
+//!             Ok(_) => {}
+//!             Err(_) => {
+//!                 let _ = feed.lost_v5(&mut eventloop).await; // before polling again
+//!                 if stopper.is_finished() {
+//!                     break; // the broker closed the connection after the DISCONNECT
+//!                 }
+//!                 tokio::time::sleep(Duration::from_secs(1)).await;
+//!             }
+//!         }
+//!     }
+//!     println!("{:?}", stopper.await??);
+//!     Ok(())
+//! }
+//! # }
+//! # fn main() {}
+//! ```
+//!
+//! Driving the core directly (a single thread, your own channel) is possible too: call `push`/`connected`/
+//! `connection_lost` in the order events happened, `settle` from a thread that may block, and send each
+//! `pop_ack()` with [`AckGate::send`]; give the core the same gate ([`ConsumerCore::gate`]) so that its
+//! storage retries give up on a batch whose connection has ended.
 //!
 //! `examples/inventory.rs` is the whole scenario: `cargo run --example inventory` starts a local broker
 //! (mosquitto when it is installed, else one embedded in the example's process; `--broker HOST:PORT` in `run`
@@ -745,6 +827,8 @@ pub use crate::deferred::worker::{Claim, Completion, Drained, Worker, WorkerConf
 pub use crate::inbox::{Handler, Inbox};
 pub use crate::inspect::stats::ScopeStats;
 pub use crate::inspect::{BytesWritten, FileSizes, ScopeReport};
+#[cfg(feature = "tokio")]
+pub use crate::mqtt::async_feed::AsyncFeed;
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::conn::{MqttConfig, Protocol, DEFAULT_MAX_PACKET};
 #[cfg(feature = "mqtt")]

@@ -5,194 +5,28 @@
 
 mod broker;
 mod common;
+mod firmware_support;
 mod inventory_support;
 mod outbox_support;
 
-use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-
-use broker::{publish_v5, Broker, Msg};
-use inventory_support::{spawn_cmd, Guard};
-use outbox_support::Subscriber;
-
-const SCOPE: &str = "firmware-commands";
-
-fn firmware(broker: &Broker, db: &Path, device: &str, extra: &[&str]) -> Command {
-    let mut cmd = common::through_runner(&common::built_example("firmware"));
-    cmd.args(["--broker", &broker.addr(), "--db"])
-        .arg(db)
-        .args(["--device", device, "--telemetry-ms", "50"])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    cmd
-}
-
-/// Reads a number the handler keeps in the inbox's key-value state.
-fn state(db: &Path, key: &str) -> i64 {
-    let conn = rusqlite::Connection::open(db).unwrap();
-    let blob: Option<Vec<u8>> = conn
-        .query_row(
-            "SELECT value FROM kv WHERE ns = ?1 AND key = ?2",
-            (SCOPE, key),
-            |r| r.get(0),
-        )
-        .ok();
-    blob.map(|b| ciborium::from_reader(&b[..]).unwrap())
-        .unwrap_or(0)
-}
-
-fn command(device: &str, i: i64) -> Msg {
-    Msg::new(
-        &format!("cmd/{device}/add"),
-        Some(&format!("cmd-{i}")),
-        format!(r#"{{"add":{i}}}"#),
-    )
-}
-
-/// Runs the example until idle; its stdout summary.
-fn run_until_idle(broker: &Broker, db: &Path, device: &str) -> serde_json::Value {
-    let out = spawn_cmd(firmware(broker, db, device, &["--exit-when-idle", "2"]))
-        .success(Duration::from_secs(120));
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "{e}: {}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })
-}
+const EXAMPLE: &str = "firmware";
 
 #[test]
 fn firmware_applies_each_command_once_and_publishes_telemetry_on_the_same_connection() {
-    let broker = Broker::start();
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("fw.db");
-    let telemetry = Subscriber::start(broker.port, "fw-telemetry-watch", "telemetry/fw1");
-    // The session and its subscription exist before commands are published.
-    run_until_idle(&broker, &db, "fw1");
-    let mut msgs: Vec<Msg> = (1..=10).map(|i| command("fw1", i)).collect();
-    msgs.push(command("fw1", 3)); // a repeat
-    msgs.push(command("fw1", 7));
-    publish_v5(broker.port, &msgs);
-
-    let s = run_until_idle(&broker, &db, "fw1");
-    assert_eq!(
-        (s["processed"].as_u64(), s["duplicates"].as_u64()),
-        (Some(10), Some(2)),
-        "{s}"
-    );
-    assert!(s["telemetry"].as_u64().unwrap() > 0, "{s}");
-    assert_eq!((state(&db, "count"), state(&db, "sum")), (10, 55));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while telemetry.count() == 0 {
-        assert!(Instant::now() < deadline, "no telemetry reached the broker");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-
-    // Everything was acked: a third run gets no redelivery.
-    let s = run_until_idle(&broker, &db, "fw1");
-    assert_eq!(
-        (s["processed"].as_u64(), s["duplicates"].as_u64()),
-        (Some(0), Some(0)),
-        "{s}"
-    );
+    firmware_support::applies_each_command_once_and_publishes_telemetry(EXAMPLE, "fw1");
 }
 
 #[test]
 fn firmware_stops_on_sigterm_after_acking_what_it_committed() {
-    let broker = Broker::start();
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("fw.db");
-    run_until_idle(&broker, &db, "fw2");
-    let child = spawn_cmd(firmware(&broker, &db, "fw2", &[]));
-    let msgs: Vec<Msg> = (1..=20).map(|i| command("fw2", i)).collect();
-    publish_v5(broker.port, &msgs);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while state(&db, "count") < 20 {
-        assert!(Instant::now() < deadline, "commands not applied");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let pid = child.pid();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .unwrap()
-        .success());
-    let out = child.success(Duration::from_secs(60));
-    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(s["processed"].as_u64(), Some(20), "{s}");
-    // Nothing committed was left unacked: the next run gets no redelivery.
-    let s = run_until_idle(&broker, &db, "fw2");
-    assert_eq!(s["duplicates"].as_u64(), Some(0), "{s}");
+    firmware_support::stops_on_sigterm_after_acking_what_it_committed(EXAMPLE, "fw2");
 }
 
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
+#[test]
+fn firmware_stops_on_sigterm_mid_stream_acking_what_it_committed_and_nothing_else() {
+    firmware_support::sigterm_mid_stream_acks_what_it_committed_and_nothing_else(EXAMPLE, "fw4");
 }
 
 #[test]
 fn kill9_firmware_at_random_moments_loses_and_doubles_no_command() {
-    let seed = std::env::var("EDGE_INBOX_CRASH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
-    println!("seed {seed} (set EDGE_INBOX_CRASH_SEED to replay)");
-    let mut rng = Rng(seed);
-    let broker = Broker::start();
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("fw.db");
-    run_until_idle(&broker, &db, "fw3");
-
-    let n = common::scaled(1500) as i64;
-    let mut stream: Vec<Msg> = Vec::new();
-    for i in 1..=n {
-        stream.push(command("fw3", i));
-        if rng.below(4) == 0 {
-            stream.push(command("fw3", 1 + (i - 1 - rng.below(100) as i64).max(0)));
-        }
-    }
-    let total = stream.len();
-    let port = broker.port;
-    let publisher = std::thread::spawn(move || {
-        for chunk in stream.chunks(total / 30 + 1) {
-            publish_v5(port, chunk);
-            std::thread::sleep(Duration::from_millis(150));
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(240);
-    for _ in 0..15 {
-        assert!(Instant::now() < deadline, "kill loop ran out of time");
-        let child: Guard = spawn_cmd(firmware(&broker, &db, "fw3", &[]));
-        std::thread::sleep(Duration::from_millis(200 + rng.below(500)));
-        child.kill9();
-    }
-    publisher.join().unwrap();
-    run_until_idle(&broker, &db, "fw3");
-
-    assert_eq!(
-        (state(&db, "count"), state(&db, "sum")),
-        (n, n * (n + 1) / 2),
-        "every distinct command applied exactly once ({total} published)"
-    );
-    let s = run_until_idle(&broker, &db, "fw3");
-    assert_eq!(
-        s["processed"].as_u64(),
-        Some(0),
-        "nothing left unapplied: {s}"
-    );
+    firmware_support::kill9_at_random_moments_loses_and_doubles_no_command(EXAMPLE, "fw3");
 }

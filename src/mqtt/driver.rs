@@ -55,8 +55,7 @@ impl std::error::Error for FeedClosed {}
 ///
 /// Every method hands its event over a bounded channel and blocks while it is full: back-pressure on the
 /// socket instead of memory (the commit thread drains it while it waits to queue acks, so this never
-/// deadlocks). On an async executor, call it from a blocking section (`tokio::task::block_in_place`), or
-/// keep the event loop on a thread of its own.
+/// deadlocks). On tokio, wrap it in an `AsyncFeed` (feature `tokio`), which waits on the blocking pool.
 pub struct Feed {
     tx: SyncSender<Event>,
     gate: AckGate,

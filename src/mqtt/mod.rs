@@ -1,10 +1,12 @@
 //! The MQTT adapter over the core: the connection-agnostic consumer core and the gate its acks pass, the
-//! commit loop and its feed, the crate's own connection and consumer, in-order acks and the outbox relay.
-//! Identity extraction reads plain data ([`Inbound`](extract::Inbound)) and is compiled without the `mqtt`
-//! feature.
+//! commit loop and its feed (and its tokio counterpart), the crate's own connection and consumer, in-order
+//! acks and the outbox relay. Identity extraction reads plain data ([`Inbound`](extract::Inbound)) and is
+//! compiled without the `mqtt` feature.
 
 #[cfg(feature = "mqtt")]
 pub(crate) mod ack_queue;
+#[cfg(feature = "tokio")]
+pub(crate) mod async_feed;
 #[cfg(feature = "mqtt")]
 pub(crate) mod conn;
 #[cfg(feature = "mqtt")]

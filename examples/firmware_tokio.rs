@@ -1,0 +1,205 @@
+//! The firmware of `examples/firmware.rs` on tokio: ONE rumqttc `AsyncClient` (MQTT 5) publishes telemetry and
+//! receives commands, and the commands go through the inbox on that same connection.
+//!
+//! The runtime is a current-thread one, to show that nothing of the inbox needs a thread of the runtime: a
+//! task polls the event loop and hands commands to an [`AsyncFeed`] (a full channel is waited on in tokio's
+//! blocking pool); a commit thread ([`ConsumerCore::spawn`]) commits each command with its identity and
+//! queues its PUBACK, through the feed's ack gate, only on the connection the command came on; a task
+//! publishes telemetry on the same client.
+//!
+//! ```text
+//! cargo run --example firmware_tokio -- --broker 127.0.0.1:1883 --db /tmp/fw.db --device gw7
+//! mosquitto_pub -V mqttv5 -q 1 -t cmd/gw7/add -D publish user-property message-id cmd-1 -m '{"add":5}'
+//! ```
+//!
+//! Commands are JSON `{"add": N}` on `cmd/<device>/...` with the user property `message-id`; the handler adds
+//! N to `sum` and 1 to `count` in the inbox's key-value state, exactly once per message id. SIGINT/SIGTERM
+//! (tokio's signal handler) stop it gracefully: the batch in flight is committed and acked, then the client
+//! disconnects. On exit it prints `{"processed":..,"duplicates":..,"telemetry":..}` on stdout; it exits
+//! non-zero when the run failed.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use edge_inbox::{AsyncFeed, Config, ConsumerCore, Delivery, Inbox, Tx};
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::{AsyncClient, Event, Incoming, MqttOptions};
+use tokio::signal::unix::{signal, SignalKind};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Broker address.
+    #[arg(long, default_value = "127.0.0.1:1883")]
+    broker: String,
+    /// The inbox database.
+    #[arg(long)]
+    db: std::path::PathBuf,
+    /// Device name: client id, command topics `cmd/<device>/#`, telemetry topic `telemetry/<device>`.
+    #[arg(long, default_value = "gw7")]
+    device: String,
+    /// Telemetry period in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    telemetry_ms: u64,
+    /// Exit once no command has arrived for this many seconds (tests, batch jobs).
+    #[arg(long)]
+    exit_when_idle: Option<u64>,
+    /// Milliseconds each command takes to apply (a slow actuator: the tests stop it mid-batch).
+    #[arg(long, default_value_t = 0)]
+    apply_ms: u64,
+}
+
+const SCOPE: &str = "firmware-commands";
+
+/// Receive Maximum: the broker sends at most this many unacked commands.
+const WINDOW: u16 = 20;
+
+fn apply(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
+    let cmd: serde_json::Value = serde_json::from_slice(d.payload)?;
+    let add = cmd["add"]
+        .as_i64()
+        .ok_or_else(|| anyhow::anyhow!("no \"add\" in command"))?;
+    let sum: i64 = tx.get("sum")?.unwrap_or(0);
+    let count: i64 = tx.get("count")?.unwrap_or(0);
+    tx.put("sum", &(sum + add))?;
+    tx.put("count", &(count + 1))?;
+    Ok(())
+}
+
+fn slowed(apply_ms: u64) -> impl FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()> + Send {
+    move |tx, d| {
+        std::thread::sleep(Duration::from_millis(apply_ms));
+        apply(tx, d)
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let args = Args::parse();
+    let (host, port) = args
+        .broker
+        .rsplit_once(':')
+        .ok_or_else(|| anyhow::anyhow!("--broker must be HOST:PORT"))?;
+    let port: u16 = port.parse()?;
+
+    // The firmware's one connection: persistent session and manual acks, which the inbox needs.
+    let mut options = MqttOptions::new(&args.device, host, port);
+    options
+        .set_clean_start(false)
+        .set_manual_acks(true)
+        .set_keep_alive(Duration::from_secs(30));
+    options.set_session_expiry_interval(Some(7 * 24 * 3600));
+    options.set_receive_maximum(Some(WINDOW));
+    options.set_max_packet_size(Some(edge_inbox::DEFAULT_MAX_PACKET));
+    let (client, mut eventloop) = AsyncClient::new(options, 1024);
+
+    // Opening runs SQLite (and an fsync): off the runtime's thread, like every commit after it.
+    let db = args.db.clone();
+    let inbox = tokio::task::spawn_blocking(move || Inbox::open(&db, Config::default())).await??;
+    let mut core = ConsumerCore::new(inbox, SCOPE);
+    if let Some(idle) = args.exit_when_idle {
+        core = core.exit_when_idle(Duration::from_secs(idle));
+    }
+    let (feed, commits) = core.spawn(slowed(args.apply_ms), client.clone(), WINDOW)?;
+    let mut feed = AsyncFeed::new(feed);
+
+    // The graceful stop, in a task of its own so that the event loop keeps writing the last PUBACKs: on
+    // SIGTERM/SIGINT the commit thread finishes its batch and queues their acks (`join_until`), and only
+    // then is the DISCONNECT queued, behind them. An idle exit of the commit thread ends the same way.
+    let stopping = Arc::new(AtomicBool::new(false));
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let shutdown = {
+        let (client, stopping) = (client.clone(), stopping.clone());
+        tokio::spawn(async move {
+            let signalled = async {
+                tokio::select! {
+                    _ = sigterm.recv() => log::info!("SIGTERM: stopping"),
+                    _ = sigint.recv() => log::info!("SIGINT: stopping"),
+                }
+            };
+            let (_core, result) = commits.join_until(signalled).await;
+            stopping.store(true, Ordering::SeqCst);
+            let _ = client.disconnect().await;
+            result
+        })
+    };
+
+    // Telemetry on the same client.
+    let telemetry = Arc::new(AtomicU64::new(0));
+    let publisher = {
+        let (client, sent, stopping) = (client.clone(), telemetry.clone(), stopping.clone());
+        let topic = format!("telemetry/{}", args.device);
+        let mut period = tokio::time::interval(Duration::from_millis(args.telemetry_ms));
+        tokio::spawn(async move {
+            while !stopping.load(Ordering::SeqCst) {
+                period.tick().await;
+                let n = sent.load(Ordering::Relaxed);
+                let body = format!(r#"{{"seq":{n}}}"#);
+                if client
+                    .try_publish(&topic, QoS::AtLeastOnce, false, body)
+                    .is_ok()
+                {
+                    sent.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+
+    let commands = format!("cmd/{}/#", args.device);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let event = if shutdown.is_finished() {
+            match tokio::time::timeout(Duration::from_secs(10), eventloop.poll()).await {
+                Ok(event) => event,
+                // The broker did not close the connection after our DISCONNECT: leave it.
+                Err(_) => break,
+            }
+        } else {
+            eventloop.poll().await
+        };
+        match event {
+            Ok(Event::Incoming(Incoming::ConnAck(ack))) => {
+                backoff = Duration::from_millis(100);
+                // A closed feed means the commit thread has ended: the shutdown task takes it from here.
+                let _ = feed.connected(ack.session_present).await;
+                // Again at every connect: a kept session may lack a filter added since.
+                client.try_subscribe(commands.as_str(), QoS::AtLeastOnce)?;
+            }
+            Ok(Event::Incoming(Incoming::Publish(p))) => {
+                if stopping.load(Ordering::SeqCst) {
+                    continue; // not committed by this run: the broker redelivers it
+                }
+                if p.topic.starts_with(b"cmd/") {
+                    let _ = feed.publish_v5(p).await;
+                } else if p.qos != QoS::AtMostOnce {
+                    // Not for the inbox: acked in turn behind the commands received before it.
+                    let _ = feed.pass_through(p.pkid).await;
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                // First: no ack of the old connection may leave on the next one.
+                let _ = feed.lost_v5(&mut eventloop).await;
+                if stopping.load(Ordering::SeqCst) {
+                    break; // the broker closed the connection after our DISCONNECT
+                }
+                log::warn!("connection lost: {e}; retrying in {backoff:?}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+    drop(feed);
+    let _ = publisher.await;
+    let summary = shutdown.await??;
+    println!(
+        r#"{{"processed":{},"duplicates":{},"telemetry":{}}}"#,
+        summary.processed,
+        summary.duplicates,
+        telemetry.load(Ordering::Relaxed)
+    );
+    Ok(())
+}
