@@ -688,6 +688,8 @@ pub use crate::inbox::{Handler, Inbox};
 pub use crate::inspect::stats::ScopeStats;
 pub use crate::inspect::{BytesWritten, FileSizes, ScopeReport};
 #[cfg(feature = "mqtt")]
+pub use crate::mqtt::budget::DEFAULT_MEMORY_BUDGET;
+#[cfg(feature = "mqtt")]
 pub use crate::mqtt::conn::{MqttConfig, Protocol, DEFAULT_MAX_PACKET};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::consumer::{Consumer, RunSummary, StopHandle};

@@ -6,6 +6,8 @@
 #[cfg(feature = "mqtt")]
 pub(crate) mod ack_queue;
 #[cfg(feature = "mqtt")]
+pub(crate) mod budget;
+#[cfg(feature = "mqtt")]
 pub(crate) mod conn;
 #[cfg(feature = "mqtt")]
 pub(crate) mod consumer;
