@@ -37,9 +37,8 @@ struct Inner {
 struct State {
     used: usize,
     peak: usize,
-    /// Deliveries let through over the limit, so that the commit loop can get its acks out (see
-    /// [`Budget::lend`]).
-    credit: usize,
+    /// The limit is lifted while the commit loop waits for room to queue an ack (see [`Budget::lend`]).
+    lent: bool,
     closed: bool,
 }
 
@@ -62,8 +61,7 @@ impl Budget {
     pub(crate) fn acquire(&self, bytes: usize) {
         let mut s = self.lock();
         while s.used > 0 && s.used + bytes > self.0.limit && !s.closed {
-            if s.credit > 0 {
-                s.credit -= 1;
+            if s.lent {
                 break;
             }
             s = self.0.freed.wait(s).unwrap_or_else(|e| e.into_inner());
@@ -82,12 +80,18 @@ impl Budget {
         self.0.freed.notify_all();
     }
 
-    /// Lets one waiting delivery through over the limit: the commit loop cannot queue an ack because the
-    /// client's request channel is full, and only the reading side, blocked here, drains it.
+    /// Lifts the limit: the commit loop cannot queue an ack because the client's request channel is full,
+    /// and only the reading side, which may be waiting here, drains it (rumqttc serves one request per
+    /// network read of up to ten packets, so under a flood its request channel can fill).
     pub(crate) fn lend(&self) {
         let mut s = self.lock();
-        s.credit = 1;
+        s.lent = true;
         self.0.freed.notify_all();
+    }
+
+    /// Puts the limit back once an ack could be queued again.
+    pub(crate) fn restore(&self) {
+        self.lock().lent = false;
     }
 
     /// The commit loop has ended: nothing waits for room any more.

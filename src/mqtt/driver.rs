@@ -367,11 +367,16 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
     /// redelivers them). A stop does not end the wait (the batch's acks go out first), but bounds it.
     fn send_acks(&mut self, stop: &StopHandle) {
         let mut stopping_since: Option<Instant> = None;
+        let mut lent = false;
         while let Some(ack) = self.core.pop_ack() {
             loop {
                 match self.gate.send(self.sender, ack) {
                     AckSent::Sent => {
                         self.core.summary.acked += 1;
+                        if lent {
+                            lent = false;
+                            self.budget.restore();
+                        }
                         break;
                     }
                     AckSent::Stale => return self.drop_stale_acks(),
@@ -390,6 +395,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                     }
                     Err(TryRecvError::Empty) => {
                         // The reading side may be waiting for room in the budget, not polling.
+                        lent = true;
                         self.budget.lend();
                         std::thread::sleep(Duration::from_millis(1));
                     }
@@ -409,6 +415,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
     }
 
     fn drop_stale_acks(&mut self) {
+        self.budget.restore();
         let mut left = 1;
         while self.core.pop_ack().is_some() {
             left += 1;
