@@ -44,10 +44,10 @@ struct Args {
     /// Publish at most this many deliveries per second (0: as fast as the broker takes them).
     #[arg(long, default_value_t = 0, value_name = "PER_SECOND")]
     rate: u64,
-    /// The consumer's inflight window (MQTT 5 Receive Maximum); default: `MqttConfig`'s (20).
+    /// The consumer's inflight window (MQTT 5 Receive Maximum); default: the `Consumer`'s, from its memory budget (8192).
     #[arg(long, value_name = "N")]
     window: Option<u16>,
-    /// The consumer's batch size; default: `Consumer`'s (64, capped at the window).
+    /// The consumer's batch size; default: `Consumer`'s (no count limit: the memory budget, capped at the window).
     #[arg(long, value_name = "N")]
     batch: Option<usize>,
     /// Field storage: add this many milliseconds to every sync (SD card, eMMC), through a VFS that wraps the

@@ -308,10 +308,17 @@
 //!   which in a watermark scope also claims its sequence (no permanent gap behind one bad message).
 //! - **Group commit, adaptive.** A delivery reaching an idle consumer is committed at once, alone; whatever
 //!   arrives while a commit syncs (the poll thread keeps reading) forms the next batch, committed in one
-//!   [`Inbox::process_batch_into`], so batches grow with the load and no delivery waits on a timer (an
-//!   optional linger, [`Consumer::batch`], waits for more). The batch never exceeds the broker's inflight window
-//!   ([`MqttConfig::inflight`]: our Receive Maximum for MQTT 5, mosquitto's `max_inflight_messages` for
-//!   3.1.1), or the consumer would wait for deliveries the broker withholds until it acks.
+//!   [`Inbox::process_batch_into`], so batches grow with the load and the commit time and no delivery waits
+//!   on a timer (an optional linger, [`Consumer::batch`], waits for more). By default a batch has no count
+//!   limit: it is bounded by the memory budget ([`Consumer::memory_budget`], default 2 MiB of deliveries
+//!   held between the socket and their commit) and never exceeds the broker's inflight window
+//!   ([`MqttConfig::inflight`]: our Receive Maximum for MQTT 5, which by default follows the budget, 8192;
+//!   mosquitto's `max_inflight_messages` for 3.1.1), or the consumer would wait for deliveries the broker
+//!   withholds until it acks.
+//! - **Memory** is bounded whatever the broker does: while the deliveries received and not yet committed
+//!   hold more than the budget, the poll thread stops reading the socket and TCP pushes back on the broker
+//!   (mosquitto 2.0.11 does not keep to our Receive Maximum). [`RunSummary::peak_held_bytes`] tells the most
+//!   held at once.
 //! - **Acks** only after the commit that covers the delivery returned `Ok` (processed, duplicate, conflict,
 //!   quarantined or dead-lettered), strictly in arrival order (MQTT-4.6.0-2). A reconnect drops whatever
 //!   was received on the old connection unacked (also what the MQTT library had buffered from it); the
@@ -829,6 +836,8 @@ pub use crate::inspect::stats::ScopeStats;
 pub use crate::inspect::{BytesWritten, FileSizes, ScopeReport};
 #[cfg(feature = "tokio")]
 pub use crate::mqtt::async_feed::AsyncFeed;
+#[cfg(feature = "mqtt")]
+pub use crate::mqtt::budget::DEFAULT_MEMORY_BUDGET;
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::conn::{MqttConfig, Protocol, DEFAULT_MAX_PACKET};
 #[cfg(feature = "mqtt")]

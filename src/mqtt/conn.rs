@@ -10,6 +10,7 @@ use rumqttc::v5::mqttbytes::v5 as p5;
 use rumqttc::v5::mqttbytes::QoS as Q5;
 use rumqttc::{QoS, TlsConfiguration, Transport};
 
+use crate::mqtt::budget::DELIVERY_OVERHEAD;
 use crate::mqtt::driver::Feed;
 use crate::mqtt::gate::PubAckSender;
 use crate::mqtt::tls::TlsConfig;
@@ -50,6 +51,8 @@ pub struct MqttConfig {
     pub(crate) keep_alive: Duration,
     pub(crate) session_expiry: u32,
     pub(crate) inflight: u16,
+    /// False while `inflight` is the default, which [`Consumer`](crate::Consumer) derives from its budget.
+    pub(crate) inflight_set: bool,
     pub(crate) max_packet: u32,
     pub(crate) credentials: Option<(String, String)>,
     pub(crate) tls: Option<TlsConfig>,
@@ -66,6 +69,7 @@ impl fmt::Debug for MqttConfig {
             .field("keep_alive", &self.keep_alive)
             .field("session_expiry", &self.session_expiry)
             .field("inflight", &self.inflight)
+            .field("inflight_set", &self.inflight_set)
             .field("max_packet", &self.max_packet)
             .field("username", &self.credentials.as_ref().map(|(u, _)| u))
             .field("password", &self.credentials.as_ref().map(|_| "<redacted>"))
@@ -86,7 +90,8 @@ impl MqttConfig {
             topics: Vec::new(),
             keep_alive: Duration::from_secs(30),
             session_expiry: 7 * 24 * 3600,
-            inflight: 20,
+            inflight: DEFAULT_INFLIGHT,
+            inflight_set: false,
             max_packet: DEFAULT_MAX_PACKET,
             credentials: None,
             tls: None,
@@ -122,9 +127,12 @@ impl MqttConfig {
     /// The broker's window of unacknowledged QoS1 deliveries to this client. For MQTT 5 it is sent as our
     /// Receive Maximum; for 3.1.1 set it to the broker's limit (mosquitto's `max_inflight_messages`, default
     /// 20). The consumer never batches more than this, or it would wait for deliveries the broker holds back
-    /// until it acks. Default 20.
+    /// until it acks. It does not bound memory (a broker may send more; the consumer's memory budget does).
+    /// Default: the [`Consumer`](crate::Consumer) derives it from its memory budget (8192 at the default
+    /// budget), so that batches can grow to what a slow commit needs.
     pub fn inflight(mut self, window: u16) -> Self {
         self.inflight = window.max(1);
+        self.inflight_set = true;
         self
     }
 
@@ -204,6 +212,9 @@ pub const DEFAULT_MAX_PACKET: u32 = (1 << 20) + (64 << 10);
 /// Largest packet MQTT can encode (the maximum Remaining Length plus the fixed header).
 const MQTT_MAX_PACKET: u32 = 268_435_455 + 5;
 
+/// The default of [`MqttConfig::inflight`], as the consumer derives it from its default budget.
+const DEFAULT_INFLIGHT: u16 = 8192;
+
 /// The least room in rumqttc's request channel (PUBACKs, subscriptions, the DISCONNECT).
 const REQUEST_CHANNEL_MIN: usize = 1024;
 
@@ -217,12 +228,17 @@ pub(crate) fn start(
     config: &MqttConfig,
     feed: Feed,
     closing: Arc<AtomicBool>,
+    budget: usize,
 ) -> std::io::Result<(Client, JoinHandle<()>)> {
     // rumqttc's request channel carries our PUBACKs. Roomy (it grows only as used) so queueing one almost
     // never fails: when it is full the consumer must drain deliveries into memory to keep the poll thread
     // moving, and a broker that sends beyond our Receive Maximum (mosquitto 2.0.11 does, with a queue
     // behind the window) would then fill that memory instead of waiting in its own socket buffer.
-    let cap = (usize::from(config.inflight) * 4).max(REQUEST_CHANNEL_MIN);
+    // Room for the PUBACK of every delivery the memory budget admits, too: the poll thread may be waiting for
+    // room in the budget, not draining this channel.
+    let cap = (usize::from(config.inflight) * 4)
+        .max(budget / DELIVERY_OVERHEAD + REQUEST_CHANNEL_MIN)
+        .max(REQUEST_CHANNEL_MIN);
     let topics = config.topics.clone();
     let name = format!("mqtt-poll-{}", config.client_id);
     let max_packet = config.max_packet;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::deferred::backlog::BacklogThreshold;
 use crate::inbox::{Handler, Inbox};
+use crate::mqtt::budget::{Budget, DEFAULT_MEMORY_BUDGET};
 use crate::mqtt::conn::{self as mqtt_conn, MqttConfig, Protocol};
 use crate::mqtt::core::ConsumerCore;
 pub use crate::mqtt::core::{RunSummary, StopHandle};
@@ -23,9 +24,10 @@ use crate::store::error::{Error, Result};
 /// waits on an ack. The thread calling [`Consumer::run`] owns the inbox and:
 ///
 /// 1. collects deliveries for one transaction (adaptive group commit, [`Consumer::batch`]): it starts as soon
-///    as one delivery is there and takes along whatever else is already queued, up to the batch size and never
-///    more than the broker's inflight window ([`MqttConfig::inflight`]); the poll thread keeps receiving while a
-///    commit syncs, so what arrives meanwhile forms the next batch;
+///    as one delivery is there and takes along whatever else is already queued; the poll thread keeps
+///    receiving while a commit syncs, so what arrives meanwhile forms the next batch: batches follow the
+///    commit time and the arrival rate, bounded by the memory budget ([`Consumer::memory_budget`]; the poll
+///    thread stops reading the socket while it is used up);
 /// 2. finds each identity ([`Consumer::extractor`]); a delivery without one, with a malformed envelope or
 ///    over the inbox [`Limits`](crate::Limits) is quarantined ([`Inbox::quarantine`]) and then acked;
 /// 3. runs one [`Inbox::process_batch_into`] (one commit, one fsync);
@@ -48,6 +50,7 @@ pub struct Consumer {
     /// The batch size asked for (the core's is capped at the inflight window for each run).
     batch_size: usize,
     batch_set: bool,
+    memory_budget: usize,
     exit_when_idle: Option<Duration>,
 }
 
@@ -61,15 +64,19 @@ impl std::fmt::Debug for Consumer {
     }
 }
 
-/// The batch size when none is set.
-const DEFAULT_BATCH: usize = 64;
+/// The batch size when none is set: no count, only the memory budget (and the inflight window).
+const DEFAULT_BATCH: usize = usize::MAX;
+
+/// Bytes of memory budget per delivery of the default inflight window (MQTT 5 Receive Maximum).
+const BUDGET_PER_INFLIGHT: usize = 256;
 
 impl Consumer {
     /// A consumer for the logical consumer function `scope` (e.g. `inventory-reservation`).
     ///
-    /// The default extractor is [`UserProperty`] for MQTT 5 and [`Envelope`] for 3.1.1; the default batch
-    /// is up to 64 deliveries (capped at the inflight window, silently) with no linger; a failing handler is
-    /// tried 3 times.
+    /// The default extractor is [`UserProperty`] for MQTT 5 and [`Envelope`] for 3.1.1; a batch is whatever
+    /// is queued when the previous commit returns (no count limit but the inflight window, no linger), within
+    /// the memory budget ([`DEFAULT_MEMORY_BUDGET`](crate::DEFAULT_MEMORY_BUDGET)); a failing handler is tried 3
+    /// times.
     pub fn new(inbox: Inbox, scope: impl Into<String>, mqtt: MqttConfig) -> Consumer {
         let extractor: Box<dyn ExtractIdentity> = match mqtt.protocol {
             Protocol::V311 => Box::new(Envelope::default()),
@@ -82,6 +89,7 @@ impl Consumer {
             mqtt,
             batch_size: DEFAULT_BATCH,
             batch_set: false,
+            memory_budget: DEFAULT_MEMORY_BUDGET,
             exit_when_idle: None,
         }
     }
@@ -103,6 +111,21 @@ impl Consumer {
         self.batch_size = size.max(1);
         self.batch_set = true;
         self.core = self.core.batch(size, linger);
+        self
+    }
+
+    /// The memory budget of deliveries received and not yet committed, in bytes: payload, topic and user
+    /// properties plus a fixed overhead per delivery (384 bytes), so that a flood of tiny deliveries is
+    /// bounded too. While they hold more, the poll thread stops reading the socket and TCP pushes back on the
+    /// broker (which keeps the rest queued in its session), whatever the broker's window: mosquitto 2.0.11,
+    /// for one, does not keep to our Receive Maximum. The budget bounds the batch too: under load a batch is
+    /// everything that arrived during the previous commit, up to it. Unless [`MqttConfig::inflight`] is set,
+    /// the Receive Maximum announced follows it (one per 256 bytes, 8192 at the default; between 20 and
+    /// 65,535). A single delivery larger than the budget is still read, alone. Default
+    /// [`DEFAULT_MEMORY_BUDGET`](crate::DEFAULT_MEMORY_BUDGET) (2 MiB); [`RunSummary::peak_held_bytes`]
+    /// reports the most held at once.
+    pub fn memory_budget(mut self, bytes: usize) -> Self {
+        self.memory_budget = bytes.max(1);
         self
     }
 
@@ -178,7 +201,11 @@ impl Consumer {
     /// client id, TLS material that does not parse or a certificate the other side rejects), when an idle
     /// limit passes without any connection, or when storage keeps failing.
     pub fn run<H: Handler>(&mut self, mut handler: H) -> Result<RunSummary> {
-        let window = usize::from(self.mqtt.inflight);
+        let mut mqtt = self.mqtt.clone();
+        if !mqtt.inflight_set {
+            mqtt.inflight = (self.memory_budget / BUDGET_PER_INFLIGHT).clamp(20, 65_535) as u16;
+        }
+        let window = usize::from(mqtt.inflight);
         let batch_size = self.batch_size.min(window);
         if batch_size < self.batch_size && self.batch_set {
             log::info!(
@@ -190,21 +217,23 @@ impl Consumer {
         self.core.summary = RunSummary::default();
         let gate = AckGate::new();
         self.core.set_gate(gate.clone());
-        let (feed, rx) = driver::channel(window, gate.clone());
+        let budget = Budget::new(self.memory_budget);
+        let (feed, rx) = driver::channel(gate.clone(), budget.clone());
         let closing = Arc::new(AtomicBool::new(false));
-        let (client, poller) =
-            mqtt_conn::start(&self.mqtt, feed, closing.clone()).map_err(|e| {
+        let (client, poller) = mqtt_conn::start(&mqtt, feed, closing.clone(), budget.limit())
+            .map_err(|e| {
                 Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}"))
             })?;
         log::info!(
             "consumer for scope {} starting: {:?}",
             self.core.scope(),
-            self.mqtt
+            mqtt
         );
         self.warn_if_pending_waits();
-        let mut driver = Driver::new(&mut self.core, &rx, &gate, &client, window);
+        let mut driver = Driver::new(&mut self.core, &rx, &gate, &client, window, budget.clone());
         driver.exit_when_idle = self.exit_when_idle;
         let end = driver.run(&mut handler);
+        budget.close();
         // The batch's PUBACKs are queued; the DISCONNECT goes behind them, and the poll thread ends once the
         // broker has closed the connection after reading them. Whatever still arrives was never committed
         // here: left unacked for the broker to redeliver, and drained only so that the poll thread is never
@@ -233,6 +262,7 @@ impl Consumer {
         }
         let mut summary = self.core.summary;
         summary.acked = gate.acks_written();
+        summary.peak_held_bytes = budget.peak() as u64;
         self.core.finish_run(&summary);
         let scope = self.core.scope();
         match end {

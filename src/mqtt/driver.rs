@@ -3,11 +3,12 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::inbox::Handler;
+use crate::mqtt::budget::{self, Budget};
 use crate::mqtt::core::{ConsumerCore, RunSummary, StopHandle};
 use crate::mqtt::extract::Inbound;
 use crate::mqtt::gate::{AckGate, AckSent, ConnectionId, PubAckSender};
@@ -53,12 +54,17 @@ impl std::error::Error for FeedClosed {}
 /// for the inbox and every connection error. It tags each delivery with the current connection and keeps
 /// the [`AckGate`] in step, so the commit thread never sends an ack on a newer connection.
 ///
-/// Every method hands its event over a bounded channel and blocks while it is full: back-pressure on the
-/// socket instead of memory (the commit thread drains it while it waits to queue acks, so this never
-/// deadlocks). On tokio, wrap it in an `AsyncFeed` (feature `tokio`), which waits on the blocking pool.
+/// [`Feed::publish`] blocks while the deliveries handed over and not yet committed hold more than the memory
+/// budget ([`Consumer::memory_budget`](crate::Consumer::memory_budget)): the caller stops polling the event
+/// loop, so nothing more is read from the socket and TCP pushes back on the broker, instead of memory
+/// growing with whatever the broker sends. (When the client's request channel is full and only this caller
+/// can drain it, the commit thread lets one delivery through at a time, so this never deadlocks.) On an
+/// async executor, wrap it in an `AsyncFeed` (feature `tokio`), which waits on the blocking pool, or keep the
+/// event loop on a thread of its own.
 pub struct Feed {
-    tx: SyncSender<Event>,
+    tx: Sender<Event>,
     gate: AckGate,
+    budget: Budget,
     current: ConnectionId,
     /// The cause for the next `lost`, set by [`Feed::because`].
     cause: Option<String>,
@@ -141,6 +147,7 @@ impl Feed {
         inbound: Inbound,
         packet_id: Option<u16>,
     ) -> std::result::Result<(), FeedClosed> {
+        self.budget.acquire(budget::held_size(&inbound));
         self.send(Event::Publish {
             connection: self.current,
             inbound,
@@ -188,13 +195,15 @@ impl Feed {
     }
 }
 
-/// A feed and the receiving end for the commit loop; `window` is the broker's inflight window.
-pub(crate) fn channel(window: usize, gate: AckGate) -> (Feed, Receiver<Event>) {
-    let (tx, rx) = sync_channel(window + 16);
+/// A feed and the receiving end for the commit loop. The channel itself is unbounded: `budget` bounds
+/// the deliveries in it (a channel sized for them would allocate all its slots up front).
+pub(crate) fn channel(gate: AckGate, budget: Budget) -> (Feed, Receiver<Event>) {
+    let (tx, rx) = mpsc::channel();
     (
         Feed {
             tx,
             gate,
+            budget,
             current: ConnectionId(0),
             cause: None,
         },
@@ -228,6 +237,10 @@ pub(crate) struct Driver<'a, S: PubAckSender> {
     /// Events drained from the channel while waiting to queue an ack, in arrival order.
     backlog: VecDeque<Event>,
     overfed_warned: Option<ConnectionId>,
+    budget: Budget,
+    /// The budget's bytes of each delivery the core holds, in arrival order (the core lets go of its
+    /// deliveries oldest first, or all at once).
+    held: VecDeque<usize>,
 }
 
 impl<'a, S: PubAckSender> Driver<'a, S> {
@@ -237,8 +250,11 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         gate: &'a AckGate,
         sender: &'a S,
         window: usize,
+        budget: Budget,
     ) -> Self {
         Driver {
+            budget,
+            held: VecDeque::new(),
             exit_when_idle: core.exit_when_idle,
             core,
             rx,
@@ -277,7 +293,9 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
             }
             let closed = self.collect(&stop)?;
             if self.core.unsettled() > 0 {
-                self.core.settle(handler)?;
+                let settled = self.core.settle(handler);
+                self.release_settled();
+                settled?;
                 last_activity = Instant::now();
             }
             self.send_acks(&stop);
@@ -327,16 +345,22 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                 Event::Connected {
                     connection,
                     session_present,
-                } => self.core.connected(connection, session_present),
+                } => {
+                    self.core.connected(connection, session_present);
+                    self.release_settled();
+                }
                 Event::Lost { connection, cause } => {
-                    self.core.connection_lost_because(connection, cause)
+                    self.core.connection_lost_because(connection, cause);
+                    self.release_settled();
                 }
                 Event::Publish {
                     connection,
                     inbound,
                     packet_id,
                 } => {
+                    self.held.push_back(budget::held_size(&inbound));
                     self.core.push(connection, inbound, packet_id);
+                    self.release_settled();
                     if self.core.unsettled() > 0 {
                         deadline.get_or_insert_with(|| Instant::now() + linger);
                     }
@@ -364,11 +388,16 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
     /// redelivers them). A stop does not end the wait (the batch's acks go out first), but bounds it.
     fn send_acks(&mut self, stop: &StopHandle) {
         let mut stopping_since: Option<Instant> = None;
+        let mut lent = false;
         while let Some(ack) = self.core.pop_ack() {
             loop {
                 match self.gate.send(self.sender, ack) {
                     AckSent::Sent => {
                         self.core.summary.acked += 1;
+                        if lent {
+                            lent = false;
+                            self.budget.restore();
+                        }
                         break;
                     }
                     AckSent::Stale => return self.drop_stale_acks(),
@@ -385,14 +414,29 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                         self.backlog.push_back(e);
                         self.warn_if_overfed(ack.connection);
                     }
-                    Err(TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(1)),
+                    Err(TryRecvError::Empty) => {
+                        // The reading side may be waiting for room in the budget, not polling.
+                        lent = true;
+                        self.budget.lend();
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
                     Err(TryRecvError::Disconnected) => return self.drop_stale_acks(),
                 }
             }
         }
     }
 
+    /// Gives the budget back the bytes of the deliveries the core no longer holds.
+    fn release_settled(&mut self) {
+        let mut freed = 0;
+        while self.held.len() > self.core.unsettled() {
+            freed += self.held.pop_front().unwrap_or(0);
+        }
+        self.budget.release(freed);
+    }
+
     fn drop_stale_acks(&mut self) {
+        self.budget.restore();
         let mut left = 1;
         while self.core.pop_ack().is_some() {
             left += 1;
@@ -478,16 +522,18 @@ impl ConsumerCore {
             core.batch_size = usize::from(window.max(1));
         }
         let stop = core.stop_handle();
-        let (feed, rx) = channel(usize::from(window.max(1)), gate.clone());
+        let budget = Budget::new(budget::DEFAULT_MEMORY_BUDGET);
+        let (feed, rx) = channel(gate.clone(), budget.clone());
         let handle = std::thread::Builder::new()
             .name(format!("inbox-commit-{}", core.scope))
             .spawn(move || {
                 let window = usize::from(window.max(1));
-                let result = Driver::new(&mut core, &rx, &gate, &client, window)
+                let result = Driver::new(&mut core, &rx, &gate, &client, window, budget.clone())
                     .run(&mut handler)
                     .map(|_| core.summary);
                 core.health
                     .publish_final(&core.summary, core.connection(), core.unsettled());
+                budget.close();
                 (core, result)
             })?;
         Ok((feed, CommitThread { handle, stop }))

@@ -8,6 +8,8 @@ pub(crate) mod ack_queue;
 #[cfg(feature = "tokio")]
 pub(crate) mod async_feed;
 #[cfg(feature = "mqtt")]
+pub(crate) mod budget;
+#[cfg(feature = "mqtt")]
 pub(crate) mod conn;
 #[cfg(feature = "mqtt")]
 pub(crate) mod consumer;

@@ -37,4 +37,7 @@ pub struct RunSummary {
     /// Batches committed, each in one transaction (group commit); a batch that failed for good and was
     /// settled one delivery at a time is not counted.
     pub batches: u64,
+    /// The most memory budget ([`Consumer::memory_budget`](crate::Consumer::memory_budget)) the deliveries
+    /// received and not yet committed held at once, in bytes.
+    pub peak_held_bytes: u64,
 }
