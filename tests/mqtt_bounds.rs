@@ -309,12 +309,14 @@ fn an_unpaced_flood_holds_no_more_than_the_memory_budget() {
         figure("peak_held=") <= (FLOOD_BUDGET + one) as u64,
         "deliveries held in memory beyond the budget of {FLOOD_BUDGET} bytes"
     );
-    // Held whole, the flood (1 KiB payloads) would show here beyond its payload bytes; what grows with the
-    // deliveries committed (SQLite's pages, allocator slack) stays well under three quarters of that.
+    // Held whole, the flood (1 KiB payloads) would show here beyond its payload bytes (+42 MiB for 24 MiB);
+    // what grows with the deliveries committed (SQLite's page cache, allocator slack, under qemu its
+    // translated code) is allowed three quarters of the flood plus 12 MiB. The budget itself is checked
+    // exactly above.
     let grown = figure("after=").saturating_sub(figure("before="));
     let flood_kib = (n as u64 * 1024) >> 10;
     assert!(
-        grown < flood_kib * 3 / 4,
+        grown < flood_kib * 3 / 4 + 12 * 1024,
         "peak memory grew by {grown} KiB while draining a flood of {flood_kib} KiB with a budget of 256 KiB"
     );
     let again = run(Duration::from_secs(1));
