@@ -52,6 +52,13 @@ struct Args {
     /// connection does; default: the library's).
     #[arg(long, value_name = "PAGES")]
     consumer_autocheckpoint: Option<u32>,
+    /// The pruner checkpoints between its steps once the WAL holds this many frames (0: never; default:
+    /// `Pruning::default()`).
+    #[arg(long, value_name = "PAGES")]
+    checkpoint_pages: Option<u32>,
+    /// The pruner's steps commit at the configured durability, with their own sync.
+    #[arg(long)]
+    sync_steps: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -100,6 +107,12 @@ fn main() -> anyhow::Result<()> {
         }
         if let Some(batch) = args.batch {
             pruning = pruning.batch(batch);
+        }
+        if let Some(pages) = args.checkpoint_pages {
+            pruning = pruning.checkpoint_pages(pages);
+        }
+        if args.sync_steps {
+            pruning = pruning.sync_steps(true);
         }
         latency(
             &dir.path().join("latency.db"),

@@ -43,6 +43,8 @@ pub(crate) struct Wear {
     unsaved_checkpoint: Cell<u64>,
     /// A checkpoint ran since the counts were last saved.
     save_due: Cell<bool>,
+    /// Checkpoints that copied frames back, since the connection opened.
+    checkpoints: Cell<u64>,
 }
 
 /// Bytes written, as the counters know them.
@@ -127,6 +129,54 @@ impl Wear {
         }
     }
 
+    /// WAL frames this connection's last commit left that no checkpoint of its own has copied back yet (another
+    /// connection's checkpoint is not seen).
+    pub(crate) fn frames_not_copied(&self) -> i64 {
+        (self.frames_in_wal.get() - self.backfilled.get()).max(0)
+    }
+
+    /// Checkpoints this connection ran (automatic ones in its commits, and [`Wear::checkpoint`]).
+    pub(crate) fn checkpoints(&self) -> u64 {
+        self.checkpoints.get()
+    }
+
+    /// A PASSIVE checkpoint run outside any commit (a pruner keeping the WAL short), counted as the automatic
+    /// one is. Outside a transaction only.
+    pub(crate) fn checkpoint(&self, conn: &Connection) {
+        // SAFETY: this open connection's handle, on its own thread, outside a statement.
+        let copied = self.checkpoint_counted(unsafe { conn.handle() }, c"main".as_ptr());
+        self.add(0, copied);
+    }
+
+    /// Runs a PASSIVE checkpoint of `name` and returns the bytes it wrote into the database file.
+    fn checkpoint_counted(&self, db: *mut ffi::sqlite3, name: *const c_char) -> u64 {
+        let (mut log, mut done) = (0, 0);
+        let before = thread_write_bytes();
+        // SAFETY: a valid open handle and schema name (SQLite's own in the hook); what its default hook does.
+        let rc = unsafe {
+            ffi::sqlite3_wal_checkpoint_v2(
+                db,
+                name,
+                ffi::SQLITE_CHECKPOINT_PASSIVE,
+                &mut log,
+                &mut done,
+            )
+        };
+        if rc != ffi::SQLITE_OK || done <= 0 {
+            return 0;
+        }
+        self.checkpoints.set(self.checkpoints.get() + 1);
+        let done = i64::from(done);
+        let frames_copied = (done - self.backfilled.get()).max(0) as u64;
+        let copied = match (before, thread_write_bytes()) {
+            (Some(b), Some(a)) => a.saturating_sub(b),
+            _ => frames_copied * self.page_size,
+        };
+        self.backfilled.set(done);
+        self.save_due.set(true);
+        copied
+    }
+
     fn add(&self, wal: u64, checkpoint: u64) {
         self.unsaved_wal.set(self.unsaved_wal.get() + wal);
         self.unsaved_checkpoint
@@ -174,31 +224,11 @@ unsafe extern "C" fn on_commit(
         wear.backfilled.set(0);
     }
     wear.frames_in_wal.set(frames);
-    let mut copied = 0;
-    if wear.autocheckpoint > 0 && frames >= wear.autocheckpoint {
-        let (mut log, mut done) = (0, 0);
-        let before = thread_write_bytes();
-        // SAFETY: the handle and schema name SQLite passed to this hook; what its default hook does here.
-        let rc = unsafe {
-            ffi::sqlite3_wal_checkpoint_v2(
-                db,
-                name,
-                ffi::SQLITE_CHECKPOINT_PASSIVE,
-                &mut log,
-                &mut done,
-            )
-        };
-        if rc == ffi::SQLITE_OK && done > 0 {
-            let done = i64::from(done);
-            let frames_copied = (done - wear.backfilled.get()).max(0) as u64;
-            copied = match (before, thread_write_bytes()) {
-                (Some(b), Some(a)) => a.saturating_sub(b),
-                _ => frames_copied * wear.page_size,
-            };
-            wear.backfilled.set(done);
-            wear.save_due.set(true);
-        }
-    }
+    let copied = if wear.autocheckpoint > 0 && frames >= wear.autocheckpoint {
+        wear.checkpoint_counted(db, name)
+    } else {
+        0
+    };
     wear.add(new * (wear.page_size + FRAME_HEADER), copied);
     ffi::SQLITE_OK
 }
