@@ -321,7 +321,8 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-/// Commits one delivery at a time (synchronous=FULL) until `stop`, pausing `gap` between them.
+/// Commits one delivery at a time (synchronous=FULL) until `stop`, pausing `gap` between them; the latencies,
+/// and how many of the commits wrote the database file (ran a checkpoint).
 fn consume(
     path: &Path,
     config: Config,
@@ -329,7 +330,8 @@ fn consume(
     stop: &AtomicBool,
     min: usize,
     gap: Duration,
-) -> anyhow::Result<Vec<Duration>> {
+) -> anyhow::Result<(Vec<Duration>, usize)> {
+    let mut checkpointed = 0;
     let mut inbox = Inbox::open(path, config)?;
     let mut lat = Vec::new();
     let mut id = String::new();
@@ -341,11 +343,13 @@ fn consume(
         write!(id, "{prefix}-{}", lat.len())?;
         let d = Delivery::new("consumer", &id, "orders", payload);
         let t = Instant::now();
+        let db = field_vfs::thread_db_bytes();
         inbox.process(&d, noop)?;
         lat.push(t.elapsed());
+        checkpointed += usize::from(field_vfs::thread_db_bytes() != db);
         std::thread::sleep(gap);
     }
-    Ok(lat)
+    Ok((lat, checkpointed))
 }
 
 fn latency(
@@ -396,7 +400,7 @@ fn latency(
 
     eprintln!("  baseline: {samples} single-delivery commits, no pruning ...");
     let stop = AtomicBool::new(true);
-    let mut base = consume(path, Config::default(), "base", &stop, samples, gap)?;
+    let (mut base, mut base_ckpt) = consume(path, Config::default(), "base", &stop, samples, gap)?;
     base.sort_unstable();
 
     eprintln!("  the same consumer while another connection prunes {n} rows ...");
@@ -418,19 +422,14 @@ fn latency(
         Some(pages) => Config::default().wal_autocheckpoint(pages),
         None => Config::default(),
     };
-    let mut during = consume(path, during_config, "during", &stop, samples, gap)?;
+    let (mut during, during_ckpt) = consume(path, during_config, "during", &stop, samples, gap)?;
     let (report, took) = pruner.join().expect("pruner thread")?;
     // The machine is shared and noisy: measure the baseline again after the prune and pool both halves.
     eprintln!("  baseline again after the prune ...");
     let stop = AtomicBool::new(true);
-    base.extend(consume(
-        path,
-        Config::default(),
-        "after",
-        &stop,
-        samples,
-        gap,
-    )?);
+    let (after, after_ckpt) = consume(path, Config::default(), "after", &stop, samples, gap)?;
+    base.extend(after);
+    base_ckpt += after_ckpt;
     base.sort_unstable();
     during.sort_unstable();
     assert_eq!(report.payloads_pruned as usize, n);
@@ -452,7 +451,7 @@ fn latency(
     rows.push((
         "consumer commit p99, no pruning (synchronous=FULL, one delivery per commit)".into(),
         format!(
-            "{:.2} ms (p50 {:.2} ms, {} commits)",
+            "{:.2} ms (p50 {:.2} ms, {} commits, {base_ckpt} ran a checkpoint)",
             ms(b99),
             ms(percentile(&base, 0.5)),
             base.len()
@@ -465,7 +464,7 @@ fn latency(
             report.steps
         ),
         format!(
-            "{:.2} ms (p50 {:.2} ms, {} commits) = {:.2}x",
+            "{:.2} ms (p50 {:.2} ms, {} commits, {during_ckpt} ran a checkpoint) = {:.2}x",
             ms(d99),
             ms(percentile(&during, 0.5)),
             during.len(),

@@ -22,6 +22,16 @@ static WAL_BYTES: AtomicU64 = AtomicU64::new(0);
 static DB_BYTES: AtomicU64 = AtomicU64::new(0);
 static SYNCS: AtomicU64 = AtomicU64::new(0);
 
+thread_local! {
+    static THREAD_DB_BYTES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Bytes this thread's SQLite calls wrote to database files (not WALs) through the VFS: a commit that writes
+/// any ran a checkpoint.
+pub fn thread_db_bytes() -> u64 {
+    THREAD_DB_BYTES.with(|b| b.get())
+}
+
 /// Name the VFS is registered under (also the default VFS once [`install`] ran).
 pub const NAME: &str = "edge-inbox-field";
 
@@ -153,7 +163,10 @@ unsafe extern "C" fn x_write(
     if rc == ffi::SQLITE_OK {
         match (*(f as *mut File)).kind {
             WAL => WAL_BYTES.fetch_add(n as u64, Ordering::Relaxed),
-            DB => DB_BYTES.fetch_add(n as u64, Ordering::Relaxed),
+            DB => {
+                THREAD_DB_BYTES.with(|b| b.set(b.get() + n as u64));
+                DB_BYTES.fetch_add(n as u64, Ordering::Relaxed)
+            }
             _ => 0,
         };
     }
