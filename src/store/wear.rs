@@ -140,32 +140,41 @@ impl Wear {
         self.checkpoints.get()
     }
 
-    /// A PASSIVE checkpoint run outside any commit (a pruner keeping the WAL short), counted as the automatic
-    /// one is. Outside a transaction only.
+    /// A checkpoint run outside any commit (a pruner keeping the WAL short), counted as the automatic one is.
+    /// Outside a transaction only.
+    ///
+    /// PASSIVE first, which copies the bulk without blocking anyone. Beside a busy writer that is not enough:
+    /// the WAL only starts over at a write transaction that begins once every frame is copied, and a commit
+    /// landing during the copy leaves frames behind, so the WAL would keep growing until a consumer's commit
+    /// reaches its own threshold and checkpoints inside that commit. A RESTART then copies the few frames
+    /// added meanwhile (holding the write lock for that short copy and its syncs) and waits, within the busy
+    /// timeout, for readers to leave the WAL, so that the next write starts it over.
     pub(crate) fn checkpoint(&self, conn: &Connection) {
         // SAFETY: this open connection's handle, on its own thread, outside a statement.
-        let copied = self.checkpoint_counted(unsafe { conn.handle() }, c"main".as_ptr());
-        self.add(0, copied);
+        let db = unsafe { conn.handle() };
+        let passive = self.checkpoint_counted(db, c"main".as_ptr(), ffi::SQLITE_CHECKPOINT_PASSIVE);
+        let restart = self.checkpoint_counted(db, c"main".as_ptr(), ffi::SQLITE_CHECKPOINT_RESTART);
+        if passive.is_some() || restart.is_some() {
+            self.checkpoints.set(self.checkpoints.get() + 1);
+        }
+        self.add(0, passive.unwrap_or(0) + restart.unwrap_or(0));
     }
 
-    /// Runs a PASSIVE checkpoint of `name` and returns the bytes it wrote into the database file.
-    fn checkpoint_counted(&self, db: *mut ffi::sqlite3, name: *const c_char) -> u64 {
+    /// Runs a checkpoint of `name` in `mode`; the bytes it wrote into the database file, `None` when it did
+    /// not run (busy) or found nothing to copy.
+    fn checkpoint_counted(
+        &self,
+        db: *mut ffi::sqlite3,
+        name: *const c_char,
+        mode: c_int,
+    ) -> Option<u64> {
         let (mut log, mut done) = (0, 0);
         let before = thread_write_bytes();
         // SAFETY: a valid open handle and schema name (SQLite's own in the hook); what its default hook does.
-        let rc = unsafe {
-            ffi::sqlite3_wal_checkpoint_v2(
-                db,
-                name,
-                ffi::SQLITE_CHECKPOINT_PASSIVE,
-                &mut log,
-                &mut done,
-            )
-        };
+        let rc = unsafe { ffi::sqlite3_wal_checkpoint_v2(db, name, mode, &mut log, &mut done) };
         if rc != ffi::SQLITE_OK || done <= 0 {
-            return 0;
+            return None;
         }
-        self.checkpoints.set(self.checkpoints.get() + 1);
         let done = i64::from(done);
         let frames_copied = (done - self.backfilled.get()).max(0) as u64;
         let copied = match (before, thread_write_bytes()) {
@@ -174,7 +183,7 @@ impl Wear {
         };
         self.backfilled.set(done);
         self.save_due.set(true);
-        copied
+        Some(copied)
     }
 
     fn add(&self, wal: u64, checkpoint: u64) {
@@ -225,7 +234,13 @@ unsafe extern "C" fn on_commit(
     }
     wear.frames_in_wal.set(frames);
     let copied = if wear.autocheckpoint > 0 && frames >= wear.autocheckpoint {
-        wear.checkpoint_counted(db, name)
+        match wear.checkpoint_counted(db, name, ffi::SQLITE_CHECKPOINT_PASSIVE) {
+            Some(copied) => {
+                wear.checkpoints.set(wear.checkpoints.get() + 1);
+                copied
+            }
+            None => 0,
+        }
     } else {
         0
     };
