@@ -76,7 +76,7 @@ impl Inbox {
     /// refers to it any more.
     ///
     /// After its transaction, a step that left the WAL [`Pruning::checkpoint_pages`] long copies it back
-    /// itself (a PASSIVE checkpoint, [`PruneReport::checkpoints`]), so that consumers on the file never reach
+    /// itself (PASSIVE, then RESTART; [`PruneReport::checkpoints`]), so that consumers on the file never reach
     /// their own automatic checkpoint while a pass runs.
     pub fn prune_step(&mut self, opts: &Pruning) -> Result<PruneReport> {
         let now = opts.as_of.unwrap_or_else(unix_now);
