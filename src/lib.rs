@@ -605,8 +605,9 @@
 //! and a pass ends with `wal_checkpoint(TRUNCATE)`. Steps commit without their own sync (a lost step is
 //! redone by the next pass; [`Pruning::sync_steps`] to sync each), and the pruner copies the WAL back itself
 //! whenever a step leaves [`Pruning::checkpoint_pages`] (250) frames not yet copied: a PASSIVE checkpoint,
-//! then a RESTART that copies the few frames consumers added meanwhile (holding the write lock only for
-//! that) so the WAL starts over, both outside its transactions and its rest. That stays below the consumers'
+//! and when the WAL has not started over by itself by twice that, a RESTART that copies the few frames
+//! consumers added meanwhile (holding the write lock only for that) so that it does; both outside its
+//! transactions and its rest. That stays below the consumers'
 //! [`Config::wal_autocheckpoint`] (1000), so a consumer's commit never runs a checkpoint while a pass runs;
 //! keep it below theirs when changing either. Defaults: 32 rows a
 //! step, rest 9 times as long as each step took, at least 10 ms ([`Pruning::batch`], [`Pruning::idle`],

@@ -382,8 +382,9 @@ impl Pruning {
 
     /// After a step that leaves at least `pages` WAL frames not yet copied back, the pruner checkpoints
     /// itself, outside the step's transaction (default 250; 0 leaves checkpoints to the automatic one): a
-    /// PASSIVE checkpoint, then a RESTART that copies what consumers committed meanwhile, holding the write
-    /// lock only for those few frames and their syncs, so the WAL starts over at the next write. Keep it well below the consumers' [`Config::wal_autocheckpoint`](crate::Config::wal_autocheckpoint)
+    /// PASSIVE checkpoint and, once the WAL is twice `pages` long (a consumer committing during the copies
+    /// kept it from starting over), a RESTART that copies what consumers committed meanwhile, holding the
+    /// write lock only for those few frames and their syncs, so the WAL starts over at the next write. Keep it well below the consumers' [`Config::wal_autocheckpoint`](crate::Config::wal_autocheckpoint)
     /// (1000 by default): then the WAL never reaches their threshold while a pass runs, and a consumer's commit
     /// never has to copy the pruner's pages into the file (issue 26: that checkpoint inside the consumer's
     /// commit was most of its slowest commits while a prune ran). [`Inbox::prune`](crate::Inbox::prune) does not

@@ -76,7 +76,7 @@ impl Inbox {
     /// refers to it any more.
     ///
     /// After its transaction, a step that left the WAL [`Pruning::checkpoint_pages`] long copies it back
-    /// itself (PASSIVE, then RESTART; [`PruneReport::checkpoints`]), so that consumers on the file never reach
+    /// itself (PASSIVE, and RESTART when needed; [`PruneReport::checkpoints`]), so that consumers on the file never reach
     /// their own automatic checkpoint while a pass runs.
     pub fn prune_step(&mut self, opts: &Pruning) -> Result<PruneReport> {
         let now = opts.as_of.unwrap_or_else(unix_now);
@@ -102,7 +102,10 @@ impl Inbox {
             // step's unsynced frames are durable before any of them reaches the database file).
             let started = std::time::Instant::now();
             let before = self.conn.wear.checkpoints();
-            self.conn.wear.checkpoint(&self.conn);
+            // The WAL did not start over since twice the threshold: make it (see `Wear::checkpoint`).
+            self.conn
+                .wear
+                .checkpoint(&self.conn, 2 * i64::from(opts.checkpoint_pages));
             report.checkpoints = self.conn.wear.checkpoints() - before;
             self.retention.checkpoint_took = started.elapsed();
         }

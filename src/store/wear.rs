@@ -143,17 +143,22 @@ impl Wear {
     /// A checkpoint run outside any commit (a pruner keeping the WAL short), counted as the automatic one is.
     /// Outside a transaction only.
     ///
-    /// PASSIVE first, which copies the bulk without blocking anyone. Beside a busy writer that is not enough:
+    /// PASSIVE, which copies the bulk without blocking anyone. Beside a busy writer that is not always enough:
     /// the WAL only starts over at a write transaction that begins once every frame is copied, and a commit
-    /// landing during the copy leaves frames behind, so the WAL would keep growing until a consumer's commit
-    /// reaches its own threshold and checkpoints inside that commit. A RESTART then copies the few frames
-    /// added meanwhile (holding the write lock for that short copy and its syncs) and waits, within the busy
-    /// timeout, for readers to leave the WAL, so that the next write starts it over.
-    pub(crate) fn checkpoint(&self, conn: &Connection) {
+    /// landing during the copy leaves frames behind, so the WAL can keep growing until a consumer's commit
+    /// reaches its own threshold and checkpoints inside that commit. So once the WAL is `restart_at` frames
+    /// long (it did not start over by itself), a RESTART follows: it copies the few frames added meanwhile,
+    /// holding the write lock for that short copy and its syncs, and waits, within the busy timeout, for
+    /// readers to leave the WAL, so that the next write starts it over.
+    pub(crate) fn checkpoint(&self, conn: &Connection, restart_at: i64) {
         // SAFETY: this open connection's handle, on its own thread, outside a statement.
         let db = unsafe { conn.handle() };
         let passive = self.checkpoint_counted(db, c"main".as_ptr(), ffi::SQLITE_CHECKPOINT_PASSIVE);
-        let restart = self.checkpoint_counted(db, c"main".as_ptr(), ffi::SQLITE_CHECKPOINT_RESTART);
+        let restart = if self.frames_in_wal.get() >= restart_at {
+            self.checkpoint_counted(db, c"main".as_ptr(), ffi::SQLITE_CHECKPOINT_RESTART)
+        } else {
+            None
+        };
         if passive.is_some() || restart.is_some() {
             self.checkpoints.set(self.checkpoints.get() + 1);
         }
