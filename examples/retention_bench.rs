@@ -332,6 +332,8 @@ fn consume(
     gap: Duration,
 ) -> anyhow::Result<(Vec<Duration>, usize)> {
     let mut checkpointed = 0;
+    // A long prune (a million rows with slow syncs takes half an hour) shows how it goes every minute.
+    let mut next_report = Instant::now() + Duration::from_secs(60);
     let mut inbox = Inbox::open(path, config)?;
     let mut lat = Vec::new();
     let mut id = String::new();
@@ -347,6 +349,17 @@ fn consume(
         inbox.process(&d, noop)?;
         lat.push(t.elapsed());
         checkpointed += usize::from(field_vfs::thread_db_bytes() != db);
+        if !stop.load(Ordering::SeqCst) && Instant::now() >= next_report {
+            next_report += Duration::from_secs(60);
+            let mut sorted = lat.clone();
+            sorted.sort_unstable();
+            eprintln!(
+                "    so far: {} commits, p50 {:.2} ms p99 {:.2} ms, {checkpointed} ran a checkpoint",
+                sorted.len(),
+                percentile(&sorted, 0.5).as_secs_f64() * 1e3,
+                percentile(&sorted, 0.99).as_secs_f64() * 1e3
+            );
+        }
         std::thread::sleep(gap);
     }
     Ok((lat, checkpointed))
