@@ -603,16 +603,15 @@
 //! own short transaction; [`Inbox::prune`] runs a whole pass, resting between steps so that consumers on the
 //! same file keep committing. Freed pages go back to the file system (`auto_vacuum=INCREMENTAL`, run in steps)
 //! and a pass ends with `wal_checkpoint(TRUNCATE)`. Steps commit without their own sync (a lost step is
-//! redone by the next pass; [`Pruning::sync_steps`] to sync each), and the pruner copies the WAL back itself
+//! redone by the next pass; [`Pruning::sync_steps`] to sync each). The pruner copies the WAL back itself
 //! whenever a step leaves [`Pruning::checkpoint_pages`] (250) frames not yet copied: a PASSIVE checkpoint,
 //! and when the WAL has not started over by itself by twice that, a RESTART that copies the few frames
 //! consumers added meanwhile (holding the write lock only for that) so that it does; both outside its
-//! transactions and its rest. That stays below the consumers'
-//! [`Config::wal_autocheckpoint`] (1000), so a consumer's commit never runs a checkpoint while a pass runs;
-//! keep it below theirs when changing either. Defaults: 32 rows a
-//! step, rest 9 times as long as each step took, at least 10 ms ([`Pruning::batch`], [`Pruning::idle`],
-//! [`Pruning::pause`]); beside a consumer committing one delivery at a time, its commit p99 stays within
-//! 2x of its p99 without pruning (`retention_bench`, BENCHMARKS.md, issue 26).
+//! transactions and its rest. The WAL so stays below the consumers' [`Config::wal_autocheckpoint`] (1000),
+//! and a consumer's commit never runs a checkpoint while a pass runs; keep twice the pruner's figure below
+//! theirs when changing either. Other defaults: 32 rows a step, rest 9 times as long as each step took and at
+//! least 10 ms ([`Pruning::batch`], [`Pruning::idle`], [`Pruning::pause`]). Measured beside a consumer
+//! committing one delivery at a time: BENCHMARKS.md, issue 26.
 //!
 //! ```
 //! use edge_inbox::{Config, ExpiredPolicy, Inbox, Pruning, RetentionPolicy};

@@ -384,11 +384,14 @@ impl Pruning {
     /// itself, outside the step's transaction (default 250; 0 leaves checkpoints to the automatic one): a
     /// PASSIVE checkpoint and, once the WAL is twice `pages` long (a consumer committing during the copies
     /// kept it from starting over), a RESTART that copies what consumers committed meanwhile, holding the
-    /// write lock only for those few frames and their syncs, so the WAL starts over at the next write. Keep it well below the consumers' [`Config::wal_autocheckpoint`](crate::Config::wal_autocheckpoint)
-    /// (1000 by default): then the WAL never reaches their threshold while a pass runs, and a consumer's commit
-    /// never has to copy the pruner's pages into the file (issue 26: that checkpoint inside the consumer's
-    /// commit was most of its slowest commits while a prune ran). [`Inbox::prune`](crate::Inbox::prune) does not
-    /// count the checkpoint's time into its rest ([`Pruning::idle`]).
+    /// write lock only for those few frames and their syncs, so the WAL starts over at the next write.
+    ///
+    /// Keep twice `pages` below the consumers'
+    /// [`Config::wal_autocheckpoint`](crate::Config::wal_autocheckpoint) (1000 by default): then the WAL never
+    /// reaches their threshold while a pass runs, and a consumer's commit never copies the pruner's pages into
+    /// the file (issue 26: about 0.9% of a consumer's commits did during a prune, just under its p99).
+    /// [`Inbox::prune`](crate::Inbox::prune) does not count the checkpoint's time into its rest
+    /// ([`Pruning::idle`]).
     pub fn checkpoint_pages(mut self, pages: u32) -> Self {
         self.checkpoint_pages = pages;
         self

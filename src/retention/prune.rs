@@ -76,8 +76,8 @@ impl Inbox {
     /// refers to it any more.
     ///
     /// After its transaction, a step that left the WAL [`Pruning::checkpoint_pages`] long copies it back
-    /// itself (PASSIVE, and RESTART when needed; [`PruneReport::checkpoints`]), so that consumers on the file never reach
-    /// their own automatic checkpoint while a pass runs.
+    /// itself (PASSIVE, and RESTART when needed; [`PruneReport::checkpoints`]), so that consumers on the file
+    /// never reach their own automatic checkpoint while a pass runs.
     pub fn prune_step(&mut self, opts: &Pruning) -> Result<PruneReport> {
         let now = opts.as_of.unwrap_or_else(unix_now);
         let mut report = PruneReport {

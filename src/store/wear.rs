@@ -177,7 +177,8 @@ impl Wear {
         let before = thread_write_bytes();
         // SAFETY: a valid open handle and schema name (SQLite's own in the hook); what its default hook does.
         let rc = unsafe { ffi::sqlite3_wal_checkpoint_v2(db, name, mode, &mut log, &mut done) };
-        if rc != ffi::SQLITE_OK || done <= 0 {
+        // A RESTART that copied everything but could not wait out a reader reports BUSY: it still copied.
+        if (rc != ffi::SQLITE_OK && rc != ffi::SQLITE_BUSY) || done <= 0 {
             return None;
         }
         let done = i64::from(done);
