@@ -52,6 +52,13 @@ struct Args {
     /// connection does; default: the library's).
     #[arg(long, value_name = "PAGES")]
     consumer_autocheckpoint: Option<u32>,
+    /// The pruner checkpoints between its steps once the WAL holds this many frames (0: never; default:
+    /// `Pruning::default()`).
+    #[arg(long, value_name = "PAGES")]
+    checkpoint_pages: Option<u32>,
+    /// The pruner's steps commit at the configured durability, with their own sync.
+    #[arg(long)]
+    sync_steps: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -100,6 +107,12 @@ fn main() -> anyhow::Result<()> {
         }
         if let Some(batch) = args.batch {
             pruning = pruning.batch(batch);
+        }
+        if let Some(pages) = args.checkpoint_pages {
+            pruning = pruning.checkpoint_pages(pages);
+        }
+        if args.sync_steps {
+            pruning = pruning.sync_steps(true);
         }
         latency(
             &dir.path().join("latency.db"),
@@ -308,7 +321,8 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-/// Commits one delivery at a time (synchronous=FULL) until `stop`, pausing `gap` between them.
+/// Commits one delivery at a time (synchronous=FULL) until `stop`, pausing `gap` between them; the latencies,
+/// and how many of the commits wrote the database file (ran a checkpoint).
 fn consume(
     path: &Path,
     config: Config,
@@ -316,7 +330,10 @@ fn consume(
     stop: &AtomicBool,
     min: usize,
     gap: Duration,
-) -> anyhow::Result<Vec<Duration>> {
+) -> anyhow::Result<(Vec<Duration>, usize)> {
+    let mut checkpointed = 0;
+    // A long prune (a million rows with slow syncs takes half an hour) shows how it goes every minute.
+    let mut next_report = Instant::now() + Duration::from_secs(60);
     let mut inbox = Inbox::open(path, config)?;
     let mut lat = Vec::new();
     let mut id = String::new();
@@ -328,11 +345,24 @@ fn consume(
         write!(id, "{prefix}-{}", lat.len())?;
         let d = Delivery::new("consumer", &id, "orders", payload);
         let t = Instant::now();
+        let db = field_vfs::thread_db_bytes();
         inbox.process(&d, noop)?;
         lat.push(t.elapsed());
+        checkpointed += usize::from(field_vfs::thread_db_bytes() != db);
+        if !stop.load(Ordering::SeqCst) && Instant::now() >= next_report {
+            next_report += Duration::from_secs(60);
+            let mut sorted = lat.clone();
+            sorted.sort_unstable();
+            eprintln!(
+                "    so far: {} commits, p50 {:.2} ms p99 {:.2} ms, {checkpointed} ran a checkpoint",
+                sorted.len(),
+                percentile(&sorted, 0.5).as_secs_f64() * 1e3,
+                percentile(&sorted, 0.99).as_secs_f64() * 1e3
+            );
+        }
         std::thread::sleep(gap);
     }
-    Ok(lat)
+    Ok((lat, checkpointed))
 }
 
 fn latency(
@@ -383,7 +413,7 @@ fn latency(
 
     eprintln!("  baseline: {samples} single-delivery commits, no pruning ...");
     let stop = AtomicBool::new(true);
-    let mut base = consume(path, Config::default(), "base", &stop, samples, gap)?;
+    let (mut base, mut base_ckpt) = consume(path, Config::default(), "base", &stop, samples, gap)?;
     base.sort_unstable();
 
     eprintln!("  the same consumer while another connection prunes {n} rows ...");
@@ -405,19 +435,14 @@ fn latency(
         Some(pages) => Config::default().wal_autocheckpoint(pages),
         None => Config::default(),
     };
-    let mut during = consume(path, during_config, "during", &stop, samples, gap)?;
+    let (mut during, during_ckpt) = consume(path, during_config, "during", &stop, samples, gap)?;
     let (report, took) = pruner.join().expect("pruner thread")?;
     // The machine is shared and noisy: measure the baseline again after the prune and pool both halves.
     eprintln!("  baseline again after the prune ...");
     let stop = AtomicBool::new(true);
-    base.extend(consume(
-        path,
-        Config::default(),
-        "after",
-        &stop,
-        samples,
-        gap,
-    )?);
+    let (after, after_ckpt) = consume(path, Config::default(), "after", &stop, samples, gap)?;
+    base.extend(after);
+    base_ckpt += after_ckpt;
     base.sort_unstable();
     during.sort_unstable();
     assert_eq!(report.payloads_pruned as usize, n);
@@ -439,7 +464,7 @@ fn latency(
     rows.push((
         "consumer commit p99, no pruning (synchronous=FULL, one delivery per commit)".into(),
         format!(
-            "{:.2} ms (p50 {:.2} ms, {} commits)",
+            "{:.2} ms (p50 {:.2} ms, {} commits, {base_ckpt} ran a checkpoint)",
             ms(b99),
             ms(percentile(&base, 0.5)),
             base.len()
@@ -452,7 +477,7 @@ fn latency(
             report.steps
         ),
         format!(
-            "{:.2} ms (p50 {:.2} ms, {} commits) = {:.2}x",
+            "{:.2} ms (p50 {:.2} ms, {} commits, {during_ckpt} ran a checkpoint) = {:.2}x",
             ms(d99),
             ms(percentile(&during, 0.5)),
             during.len(),

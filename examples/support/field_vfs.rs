@@ -25,6 +25,16 @@ static WAL_BYTES: AtomicU64 = AtomicU64::new(0);
 static DB_BYTES: AtomicU64 = AtomicU64::new(0);
 static SYNCS: AtomicU64 = AtomicU64::new(0);
 
+thread_local! {
+    static THREAD_DB_BYTES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Bytes this thread's SQLite calls wrote to database files (not WALs) through the VFS: a commit that writes
+/// any ran a checkpoint.
+pub fn thread_db_bytes() -> u64 {
+    THREAD_DB_BYTES.with(|b| b.get())
+}
+
 /// Name the VFS is registered under (also the default VFS once [`install`] ran).
 pub const NAME: &str = "edge-inbox-field";
 
@@ -128,8 +138,13 @@ impl wrap_vfs::Observer for Field {
     }
 
     fn write(&self, tag: usize, _off: u64, data: &[u8]) {
-        let counter = if tag == WAL { &WAL_BYTES } else { &DB_BYTES };
-        counter.fetch_add(data.len() as u64, Ordering::Relaxed);
+        let n = data.len() as u64;
+        if tag == WAL {
+            WAL_BYTES.fetch_add(n, Ordering::Relaxed);
+        } else {
+            THREAD_DB_BYTES.with(|b| b.set(b.get() + n));
+            DB_BYTES.fetch_add(n, Ordering::Relaxed);
+        }
     }
 
     fn sync(&self, _tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {

@@ -23,11 +23,12 @@ use crate::store::wear::{CHECKPOINT_BYTES, WAL_BYTES};
 pub struct BytesWritten {
     /// WAL frames (page plus frame header) appended by commits: exact for each connection.
     pub wal_bytes: u64,
-    /// Bytes the inbox's automatic checkpoints wrote into the database file: on Linux what the kernel
+    /// Bytes the inbox's checkpoints (the automatic one, and a prune's between its steps) wrote into the
+    /// database file: on Linux what the kernel
     /// accounted to the checkpointing thread (`write_bytes`, whole 4 KiB pages of the page cache, which is what
     /// reaches the device); elsewhere the pages SQLite backfilled, an upper bound (a page changed in several
-    /// frames of one WAL is written once). Checkpoints run outside the inbox's automatic one (retention's WAL
-    /// truncation, the last connection closing) are not counted.
+    /// frames of one WAL is written once). Other checkpoints (retention's WAL truncation at the end of a pass,
+    /// the last connection closing) are not counted.
     pub checkpoint_bytes: u64,
 }
 

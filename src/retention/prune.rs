@@ -74,6 +74,10 @@ impl Inbox {
     ///
     /// Pending and failed messages are never deleted, and an identity is deleted only once no stored message
     /// refers to it any more.
+    ///
+    /// After its transaction, a step that left the WAL [`Pruning::checkpoint_pages`] long copies it back
+    /// itself (PASSIVE, and RESTART when needed; [`PruneReport::checkpoints`]), so that consumers on the file
+    /// never reach their own automatic checkpoint while a pass runs.
     pub fn prune_step(&mut self, opts: &Pruning) -> Result<PruneReport> {
         let now = opts.as_of.unwrap_or_else(unix_now);
         let mut report = PruneReport {
@@ -83,11 +87,28 @@ impl Inbox {
         // A prune step need not survive a power loss (a lost step is redone by the next pass; WAL keeps the file
         // consistent), so it skips the fsync and holds the write lock for less time. Consumers' own commits keep
         // their configured durability, and their next fsync covers these frames too.
-        self.conn.start_relaxed();
+        if !opts.sync_steps {
+            self.conn.start_relaxed();
+        }
         let result = self.prune_phase(opts, now, &mut report);
         let restored = self.conn.end_relaxed();
         result?;
         restored?;
+        self.retention.checkpoint_took = Duration::ZERO;
+        if opts.checkpoint_pages > 0
+            && self.conn.wear.frames_not_copied() >= i64::from(opts.checkpoint_pages)
+        {
+            // Between transactions, at the configured durability (the checkpoint syncs the WAL first, so the
+            // step's unsynced frames are durable before any of them reaches the database file).
+            let started = std::time::Instant::now();
+            let before = self.conn.wear.checkpoints();
+            // The WAL did not start over since twice the threshold: make it (see `Wear::checkpoint`).
+            self.conn
+                .wear
+                .checkpoint(&self.conn, 2 * i64::from(opts.checkpoint_pages));
+            report.checkpoints = self.conn.wear.checkpoints() - before;
+            self.retention.checkpoint_took = started.elapsed();
+        }
         self.retention.pass.add(&report);
         if report.done {
             let pass = std::mem::take(&mut self.retention.pass);
@@ -130,7 +151,10 @@ impl Inbox {
             }
             // Leave the disk and the write lock to consumers most of the time: idle at least `idle` times as
             // long as the step took (its I/O competes with their fsyncs even after the lock is released).
-            let rest = opts.pause.max(started.elapsed() * opts.idle);
+            let took = started
+                .elapsed()
+                .saturating_sub(self.retention.checkpoint_took);
+            let rest = opts.pause.max(took * opts.idle);
             if !rest.is_zero() {
                 std::thread::sleep(rest);
             }

@@ -43,6 +43,8 @@ pub(crate) struct Wear {
     unsaved_checkpoint: Cell<u64>,
     /// A checkpoint ran since the counts were last saved.
     save_due: Cell<bool>,
+    /// Checkpoints that copied frames back, since the connection opened.
+    checkpoints: Cell<u64>,
 }
 
 /// Bytes written, as the counters know them.
@@ -127,6 +129,69 @@ impl Wear {
         }
     }
 
+    /// WAL frames this connection's last commit left that no checkpoint of its own has copied back yet (another
+    /// connection's checkpoint is not seen).
+    pub(crate) fn frames_not_copied(&self) -> i64 {
+        (self.frames_in_wal.get() - self.backfilled.get()).max(0)
+    }
+
+    /// Checkpoints this connection ran (automatic ones in its commits, and [`Wear::checkpoint`]).
+    pub(crate) fn checkpoints(&self) -> u64 {
+        self.checkpoints.get()
+    }
+
+    /// A checkpoint run outside any commit (a pruner keeping the WAL short), counted as the automatic one is.
+    /// Outside a transaction only.
+    ///
+    /// PASSIVE, which copies the bulk without blocking anyone. Beside a busy writer that is not always enough:
+    /// the WAL only starts over at a write transaction that begins once every frame is copied, and a commit
+    /// landing during the copy leaves frames behind, so the WAL can keep growing until a consumer's commit
+    /// reaches its own threshold and checkpoints inside that commit. So once the WAL is `restart_at` frames
+    /// long (it did not start over by itself), a RESTART follows: it copies the few frames added meanwhile,
+    /// holding the write lock for that short copy and its syncs, and waits, within the busy timeout, for
+    /// readers to leave the WAL, so that the next write starts it over.
+    pub(crate) fn checkpoint(&self, conn: &Connection, restart_at: i64) {
+        // SAFETY: this open connection's handle, on its own thread, outside a statement.
+        let db = unsafe { conn.handle() };
+        let passive = self.checkpoint_counted(db, c"main".as_ptr(), ffi::SQLITE_CHECKPOINT_PASSIVE);
+        let restart = if self.frames_in_wal.get() >= restart_at {
+            self.checkpoint_counted(db, c"main".as_ptr(), ffi::SQLITE_CHECKPOINT_RESTART)
+        } else {
+            None
+        };
+        if passive.is_some() || restart.is_some() {
+            self.checkpoints.set(self.checkpoints.get() + 1);
+        }
+        self.add(0, passive.unwrap_or(0) + restart.unwrap_or(0));
+    }
+
+    /// Runs a checkpoint of `name` in `mode`; the bytes it wrote into the database file, `None` when it did
+    /// not run (busy) or found nothing to copy.
+    fn checkpoint_counted(
+        &self,
+        db: *mut ffi::sqlite3,
+        name: *const c_char,
+        mode: c_int,
+    ) -> Option<u64> {
+        let (mut log, mut done) = (0, 0);
+        let before = thread_write_bytes();
+        // SAFETY: a valid open handle and schema name (SQLite's own in the hook); what its default hook does.
+        let rc = unsafe { ffi::sqlite3_wal_checkpoint_v2(db, name, mode, &mut log, &mut done) };
+        // A RESTART that copied everything but could not wait out a reader reports BUSY: it still copied.
+        if (rc != ffi::SQLITE_OK && rc != ffi::SQLITE_BUSY) || done <= 0 {
+            return None;
+        }
+        let done = i64::from(done);
+        let frames_copied = (done - self.backfilled.get()).max(0) as u64;
+        let copied = match (before, thread_write_bytes()) {
+            (Some(b), Some(a)) => a.saturating_sub(b),
+            _ => frames_copied * self.page_size,
+        };
+        self.backfilled.set(done);
+        self.save_due.set(true);
+        Some(copied)
+    }
+
     fn add(&self, wal: u64, checkpoint: u64) {
         self.unsaved_wal.set(self.unsaved_wal.get() + wal);
         self.unsaved_checkpoint
@@ -174,31 +239,17 @@ unsafe extern "C" fn on_commit(
         wear.backfilled.set(0);
     }
     wear.frames_in_wal.set(frames);
-    let mut copied = 0;
-    if wear.autocheckpoint > 0 && frames >= wear.autocheckpoint {
-        let (mut log, mut done) = (0, 0);
-        let before = thread_write_bytes();
-        // SAFETY: the handle and schema name SQLite passed to this hook; what its default hook does here.
-        let rc = unsafe {
-            ffi::sqlite3_wal_checkpoint_v2(
-                db,
-                name,
-                ffi::SQLITE_CHECKPOINT_PASSIVE,
-                &mut log,
-                &mut done,
-            )
-        };
-        if rc == ffi::SQLITE_OK && done > 0 {
-            let done = i64::from(done);
-            let frames_copied = (done - wear.backfilled.get()).max(0) as u64;
-            copied = match (before, thread_write_bytes()) {
-                (Some(b), Some(a)) => a.saturating_sub(b),
-                _ => frames_copied * wear.page_size,
-            };
-            wear.backfilled.set(done);
-            wear.save_due.set(true);
+    let copied = if wear.autocheckpoint > 0 && frames >= wear.autocheckpoint {
+        match wear.checkpoint_counted(db, name, ffi::SQLITE_CHECKPOINT_PASSIVE) {
+            Some(copied) => {
+                wear.checkpoints.set(wear.checkpoints.get() + 1);
+                copied
+            }
+            None => 0,
         }
-    }
+    } else {
+        0
+    };
     wear.add(new * (wear.page_size + FRAME_HEADER), copied);
     ffi::SQLITE_OK
 }

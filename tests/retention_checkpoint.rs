@@ -1,0 +1,173 @@
+//! Pruning keeps the WAL short itself: a consumer committing beside it never runs a checkpoint inside its
+//! commit (issue 26), so the consumer's commit never pays for copying the pruner's pages into the file.
+
+use std::time::{Duration, Instant};
+
+use edge_inbox::{Config, Delivery, Inbox, Pruning, RetentionPolicy, Synchronous, Tx};
+
+mod common;
+
+const SCOPE: &str = "history";
+
+/// A file holding `n` old processed messages with their identities, due for payload pruning.
+fn old_file(path: &std::path::Path, n: usize) {
+    let mut setup = Inbox::open(path, Config::default().synchronous(Synchronous::Normal)).unwrap();
+    setup
+        .set_retention(
+            SCOPE,
+            &RetentionPolicy::new().processed_payloads(Duration::from_secs(3_600)),
+        )
+        .unwrap();
+    let scope_id = setup.scope_id(SCOPE).unwrap();
+    setup.scope_id("consumer").unwrap();
+    let conn = setup.connection();
+    conn.execute_batch("BEGIN").unwrap();
+    {
+        let mut msg = conn
+            .prepare(
+                "INSERT INTO messages (scope_id, id_hash, message_id, topic, payload, state, received_at, \
+                 finished_at) VALUES (?1, ?2, ?3, 'orders', zeroblob(120), 1, 0, 0)",
+            )
+            .unwrap();
+        let mut ident = conn
+            .prepare("INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, 0, 0)")
+            .unwrap();
+        for i in 0..n {
+            let id = format!("evt-{i:010}-xxxxxxxx");
+            let h = setup.id_hash(None, &id);
+            msg.execute((scope_id, &h.0[..], &id)).unwrap();
+            ident.execute((scope_id, &h.0[..])).unwrap();
+        }
+    }
+    conn.execute_batch("COMMIT").unwrap();
+    conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+        .unwrap();
+}
+
+fn noop(_: &mut Tx<'_>, _: &Delivery<'_>) -> anyhow::Result<()> {
+    Ok(())
+}
+
+/// Steps of a prune interleaved with a consumer's single-delivery commits (both at the default settings, the
+/// consumer checkpointing at the default 1000 pages): the consumer's checkpoint counter never moves while the
+/// prune runs, yet the WAL was copied back many times over (by the pruner).
+#[test]
+fn a_consumer_never_checkpoints_while_a_prune_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let n = common::scaled(20_000);
+    old_file(&path, n);
+
+    let mut consumer = Inbox::open(&path, Config::default()).unwrap();
+    let mut pruner = Inbox::open(&path, Config::default()).unwrap();
+    let opts = Pruning::default();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let (mut steps, mut commits, mut consumer_checkpoints) = (0u64, 0u64, 0u64);
+    let (mut pruned, mut pruner_checkpoints) = (0, 0);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "the prune did not finish in time"
+        );
+        let step = pruner.prune_step(&opts).unwrap();
+        steps += 1;
+        pruned += step.payloads_pruned;
+        pruner_checkpoints += step.checkpoints;
+        if step.done {
+            break;
+        }
+        // A few consumer commits between two steps, as a consumer committing every few milliseconds meets
+        // a pruner that rests between its steps.
+        for _ in 0..4 {
+            let before = consumer.bytes_written().unwrap().checkpoint_bytes;
+            let id = format!("new-{commits}");
+            consumer
+                .process(&Delivery::new("consumer", &id, "orders", b"{}"), noop)
+                .unwrap();
+            commits += 1;
+            // Only the consumer ran between the two reads: any checkpoint bytes are its commit's.
+            if consumer.bytes_written().unwrap().checkpoint_bytes != before {
+                consumer_checkpoints += 1;
+            }
+        }
+    }
+    assert_eq!(pruned, n as u64);
+    let wal_frames = pruner.bytes_written().unwrap().wal_bytes / (4096 + 24);
+    assert!(
+        wal_frames > 5_000,
+        "{wal_frames} WAL frames were written: several times the consumer's checkpoint threshold"
+    );
+    assert_eq!(
+        consumer_checkpoints, 0,
+        "of {commits} consumer commits during {steps} prune steps, {consumer_checkpoints} ran a checkpoint"
+    );
+    assert!(
+        pruner_checkpoints > 0,
+        "the pruner copied the WAL back itself"
+    );
+}
+
+/// The same with the consumer committing on its own thread while the pruner steps and rests: commits land
+/// during the pruner's checkpoints. The WAL file, which only grows until the pass truncates it at its end,
+/// never reaches the consumer's threshold of 1000 frames, so no consumer commit can have run a checkpoint
+/// (its WAL hook checkpoints only at 1000 frames or more).
+#[test]
+fn the_wal_stays_below_the_consumers_threshold_while_a_prune_runs_beside_it() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let wal = dir.path().join("inbox.db-wal");
+    let n = common::scaled(20_000);
+    old_file(&path, n);
+
+    let done = Arc::new(AtomicBool::new(false));
+    let commits = Arc::new(AtomicU64::new(0));
+    let consumer = {
+        let (path, done, commits) = (path.clone(), done.clone(), commits.clone());
+        std::thread::spawn(move || {
+            let mut inbox = Inbox::open(&path, Config::default()).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(300);
+            while !done.load(Ordering::SeqCst) && Instant::now() < deadline {
+                let id = format!("new-{}", commits.load(Ordering::SeqCst));
+                inbox
+                    .process(&Delivery::new("consumer", &id, "orders", b"{}"), noop)
+                    .unwrap();
+                commits.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+
+    let mut pruner = Inbox::open(&path, Config::default()).unwrap();
+    let opts = Pruning::default();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let (mut largest, mut pruned, mut checkpoints) = (0u64, 0, 0);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "the prune did not finish in time"
+        );
+        let step = pruner.prune_step(&opts).unwrap();
+        pruned += step.payloads_pruned;
+        checkpoints += step.checkpoints;
+        if step.done {
+            break;
+        }
+        largest = largest.max(std::fs::metadata(&wal).map_or(0, |m| m.len()));
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    done.store(true, Ordering::SeqCst);
+    consumer.join().expect("the consumer never failed");
+    assert_eq!(pruned, n as u64);
+    assert!(commits.load(Ordering::SeqCst) > 0);
+    let frames = largest.saturating_sub(32) / (4096 + 24);
+    assert!(
+        frames < 1000,
+        "the WAL grew to {frames} frames while the prune ran ({} consumer commits, {checkpoints} checkpoints \
+         by the pruner)",
+        commits.load(Ordering::SeqCst)
+    );
+    assert!(checkpoints > 0, "the pruner copied the WAL back itself");
+}
