@@ -20,6 +20,12 @@ pub fn through_runner(exe: &Path) -> Command {
     }
 }
 
+/// Whether the binaries under test run under an emulator (`EDGE_INBOX_TEST_RUNNER`): a child's memory figures
+/// are then the emulator's, its translated code included.
+pub fn emulated() -> bool {
+    std::env::var("EDGE_INBOX_TEST_RUNNER").is_ok_and(|r| !r.trim().is_empty())
+}
+
 /// A command that runs this test binary again as a child, to run the (ignored) test `test_name`.
 pub fn child_command(test_name: &str) -> Command {
     let exe = std::env::current_exe().expect("test binary path");
