@@ -171,3 +171,41 @@ fn the_wal_stays_below_the_consumers_threshold_while_a_prune_runs_beside_it() {
     );
     assert!(checkpoints > 0, "the pruner copied the WAL back itself");
 }
+
+/// A reader that stays on an old snapshot (a backup, an open shell) keeps the WAL from starting over, so
+/// every pruner step past the threshold runs a RESTART, which holds the write lock while it waits for that
+/// reader. It must not wait the connection's busy timeout (here 30 s): consumers would be locked out that
+/// long at every step. The steps finish, and a consumer on another connection commits between them.
+#[test]
+fn a_long_reader_does_not_make_the_pruners_restart_hold_the_write_lock_for_the_busy_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    old_file(&path, 2_000);
+    let config = Config::default().busy_timeout(Duration::from_secs(30));
+    let mut pruner = Inbox::open(&path, config.clone()).unwrap();
+    let mut consumer = Inbox::open(&path, config).unwrap();
+    let reader = rusqlite::Connection::open(&path).unwrap();
+    reader.execute_batch("BEGIN").unwrap();
+    let _: i64 = reader
+        .query_row("SELECT count(*) FROM messages", [], |r| r.get(0))
+        .unwrap();
+
+    // One frame past the threshold of 1 triggers the RESTART at every step.
+    let opts = Pruning::default().checkpoint_pages(1).batch(8);
+    for i in 0..5 {
+        let started = Instant::now();
+        pruner.prune_step(&opts).unwrap();
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(15),
+            "step {i} took {took:?}: its checkpoint waited out the busy timeout behind the reader"
+        );
+        consumer
+            .process(
+                &Delivery::new("consumer", &format!("new-{i}"), "orders", b"{}"),
+                noop,
+            )
+            .unwrap();
+    }
+    reader.execute_batch("COMMIT").unwrap();
+}

@@ -384,7 +384,9 @@ impl Pruning {
     /// itself, outside the step's transaction (default 250; 0 leaves checkpoints to the automatic one): a
     /// PASSIVE checkpoint and, once the WAL is twice `pages` long (a consumer committing during the copies
     /// kept it from starting over), a RESTART that copies what consumers committed meanwhile, holding the
-    /// write lock only for those few frames and their syncs, so the WAL starts over at the next write.
+    /// write lock for those few frames and their syncs and for at most 10 ms more while it waits for readers
+    /// to leave the WAL (not the busy timeout: a long reader, such as a backup, would stall consumers), so
+    /// the WAL starts over at the next write.
     ///
     /// Keep twice `pages` below the consumers'
     /// [`Config::wal_autocheckpoint`](crate::Config::wal_autocheckpoint) (1000 by default): then the WAL never

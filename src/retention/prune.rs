@@ -103,9 +103,11 @@ impl Inbox {
             let started = std::time::Instant::now();
             let before = self.conn.wear.checkpoints();
             // The WAL did not start over since twice the threshold: make it (see `Wear::checkpoint`).
-            self.conn
-                .wear
-                .checkpoint(&self.conn, 2 * i64::from(opts.checkpoint_pages));
+            self.conn.wear.checkpoint(
+                &self.conn,
+                2 * i64::from(opts.checkpoint_pages),
+                self.config.busy_timeout,
+            );
             report.checkpoints = self.conn.wear.checkpoints() - before;
             self.retention.checkpoint_took = started.elapsed();
         }

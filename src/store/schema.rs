@@ -122,7 +122,10 @@ pub(crate) fn open(path: &Path, config: &Config) -> Result<Connection> {
 /// double up to 1 ms, and the timeout is measured on the clock (a coarse timer stretches short sleeps).
 /// The timeout travels in the handler's pointer argument; on 32-bit targets it is capped at about 71
 /// minutes.
-fn install_busy_handler(conn: &Connection, timeout: std::time::Duration) -> rusqlite::Result<()> {
+pub(crate) fn install_busy_handler(
+    conn: &Connection,
+    timeout: std::time::Duration,
+) -> rusqlite::Result<()> {
     use std::cell::Cell;
     use std::os::raw::{c_int, c_void};
     use std::time::{Duration, Instant};

@@ -14,8 +14,11 @@
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void};
+use std::time::Duration;
 
 use rusqlite::{ffi, Connection};
+
+use crate::store::schema::install_busy_handler;
 
 /// `inbox_meta` name of the cumulative bytes written to the WAL (frames and their headers).
 pub(crate) const WAL_BYTES: &str = "bytes_written_wal";
@@ -24,6 +27,9 @@ pub(crate) const CHECKPOINT_BYTES: &str = "bytes_written_checkpoint";
 
 /// A WAL frame's header.
 const FRAME_HEADER: u64 = 24;
+
+/// How long a pruner's RESTART checkpoint waits for readers to leave the WAL, holding the write lock.
+pub(crate) const RESTART_WAIT: Duration = Duration::from_millis(10);
 
 /// The counters of one connection. Boxed and owned by the connection's [`Db`](crate::store::db::Db); the
 /// WAL hook gets its address and runs on the connection's thread, inside `sqlite3_step`.
@@ -148,14 +154,23 @@ impl Wear {
     /// landing during the copy leaves frames behind, so the WAL can keep growing until a consumer's commit
     /// reaches its own threshold and checkpoints inside that commit. So once the WAL is `restart_at` frames
     /// long (it did not start over by itself), a RESTART follows: it copies the few frames added meanwhile,
-    /// holding the write lock for that short copy and its syncs, and waits, within the busy timeout, for
-    /// readers to leave the WAL, so that the next write starts it over.
-    pub(crate) fn checkpoint(&self, conn: &Connection, restart_at: i64) {
+    /// holding the write lock for that short copy and its syncs, and waits for readers to leave the WAL, so
+    /// that the next write starts it over. It holds the write lock while it waits, so it waits
+    /// [`RESTART_WAIT`] at most, not the connection's busy timeout (`busy_timeout`, restored after): a long
+    /// reader (a backup, an open shell) would otherwise stall every consumer for that long at every step.
+    pub(crate) fn checkpoint(&self, conn: &Connection, restart_at: i64, busy_timeout: Duration) {
         // SAFETY: this open connection's handle, on its own thread, outside a statement.
         let db = unsafe { conn.handle() };
         let passive = self.checkpoint_counted(db, c"main".as_ptr(), ffi::SQLITE_CHECKPOINT_PASSIVE);
-        let restart = if self.frames_in_wal.get() >= restart_at {
-            self.checkpoint_counted(db, c"main".as_ptr(), ffi::SQLITE_CHECKPOINT_RESTART)
+        let restart = if self.frames_in_wal.get() >= restart_at
+            && install_busy_handler(conn, RESTART_WAIT).is_ok()
+        {
+            let copied =
+                self.checkpoint_counted(db, c"main".as_ptr(), ffi::SQLITE_CHECKPOINT_RESTART);
+            if let Err(e) = install_busy_handler(conn, busy_timeout) {
+                log::error!("cannot restore the busy timeout after a checkpoint: {e}");
+            }
+            copied
         } else {
             None
         };
