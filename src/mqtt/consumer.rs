@@ -117,8 +117,11 @@ impl Consumer {
     /// The memory budget of deliveries received and not yet committed, in bytes: payload, topic and user
     /// properties plus a fixed overhead per delivery (384 bytes), so that a flood of tiny deliveries is
     /// bounded too. While they hold more, the poll thread stops reading the socket and TCP pushes back on the
-    /// broker (which keeps the rest queued in its session), whatever the broker's window: mosquitto 2.0.11,
-    /// for one, does not keep to our Receive Maximum. The budget bounds the batch too: under load a batch is
+    /// broker (which keeps the rest queued in its session). That holds while rumqttc's request channel has
+    /// room for the acks (it is sized for 4 times the window): a broker that sends far beyond our Receive
+    /// Maximum, as mosquitto 2.0.11 does under a flood, can fill it, and the limit is then lifted until an
+    /// ack can be queued again (else the poll thread, the only one draining that channel, would wait on the
+    /// commit thread and the commit thread on it). The budget bounds the batch too: under load a batch is
     /// everything that arrived during the previous commit, up to it. Unless [`MqttConfig::inflight`] is set,
     /// the Receive Maximum announced follows it (one per 256 bytes, 8192 at the default; between 20 and
     /// 65,535). A single delivery larger than the budget is still read, alone. Default
@@ -233,11 +236,11 @@ impl Consumer {
         let mut driver = Driver::new(&mut self.core, &rx, &gate, &client, window, budget.clone());
         driver.exit_when_idle = self.exit_when_idle;
         let end = driver.run(&mut handler);
-        budget.close();
-        // The batch's PUBACKs are queued; the DISCONNECT goes behind them, and the poll thread ends once the
-        // broker has closed the connection after reading them. Whatever still arrives was never committed
-        // here: left unacked for the broker to redeliver, and drained only so that the poll thread is never
-        // stuck handing it over.
+        drop(driver); // closes the budget: nothing waits for room any more
+                      // The batch's PUBACKs are queued; the DISCONNECT goes behind them, and the poll thread ends once the
+                      // broker has closed the connection after reading them. Whatever still arrives was never committed
+                      // here: left unacked for the broker to redeliver, and drained only so that the poll thread is never
+                      // stuck handing it over.
         closing.store(true, Ordering::SeqCst);
         let deadline = Instant::now() + STOP_WAIT;
         let mut disconnect_queued = false;

@@ -55,10 +55,14 @@ impl std::error::Error for FeedClosed {}
 /// the [`AckGate`] in step, so the commit thread never sends an ack on a newer connection.
 ///
 /// [`Feed::publish`] blocks while the deliveries handed over and not yet committed hold more than the memory
-/// budget ([`Consumer::memory_budget`](crate::Consumer::memory_budget)): the caller stops polling the event
-/// loop, so nothing more is read from the socket and TCP pushes back on the broker, instead of memory
-/// growing with whatever the broker sends. (When the client's request channel is full and only this caller
-/// can drain it, the commit thread lets one delivery through at a time, so this never deadlocks.) On an
+/// budget (2 MiB here, [`DEFAULT_MEMORY_BUDGET`](crate::DEFAULT_MEMORY_BUDGET); the `Consumer` sets its own,
+/// [`Consumer::memory_budget`](crate::Consumer::memory_budget)): the caller stops polling the event loop, so
+/// nothing more is read from the socket and TCP pushes back on the broker. One exception, so that this never
+/// deadlocks: while the client's request channel is full of acks and only this caller can drain it (by
+/// polling), the limit is lifted until an ack can be queued again, and what the broker sends beyond our
+/// window meanwhile is held. Give the client a request channel larger than the window (rumqttc's `cap`) and
+/// that never happens with a broker that keeps to the window. A handler that panics closes the feed: a
+/// caller waiting here is let go. On an
 /// async executor, wrap it in an `AsyncFeed` (feature `tokio`), which waits on the blocking pool, or keep the
 /// event loop on a thread of its own.
 pub struct Feed {
@@ -241,6 +245,14 @@ pub(crate) struct Driver<'a, S: PubAckSender> {
     /// The budget's bytes of each delivery the core holds, in arrival order (the core lets go of its
     /// deliveries oldest first, or all at once).
     held: VecDeque<usize>,
+}
+
+// Also when the handler panics: a reader waiting for room in the budget must wake and find the feed closed,
+// not wait for ever.
+impl<S: PubAckSender> Drop for Driver<'_, S> {
+    fn drop(&mut self) {
+        self.budget.close();
+    }
 }
 
 impl<'a, S: PubAckSender> Driver<'a, S> {
@@ -528,12 +540,11 @@ impl ConsumerCore {
             .name(format!("inbox-commit-{}", core.scope))
             .spawn(move || {
                 let window = usize::from(window.max(1));
-                let result = Driver::new(&mut core, &rx, &gate, &client, window, budget.clone())
-                    .run(&mut handler)
-                    .map(|_| core.summary);
+                let ran = Driver::new(&mut core, &rx, &gate, &client, window, budget.clone())
+                    .run(&mut handler);
+                let result = ran.map(|_| core.summary);
                 core.health
                     .publish_final(&core.summary, core.connection(), core.unsettled());
-                budget.close();
                 (core, result)
             })?;
         Ok((feed, CommitThread { handle, stop }))
