@@ -304,11 +304,15 @@ fn consumer_run_until_on_a_current_thread_runtime_stops_on_cancel_and_acks_what_
         .expect("the cancellation did not stop the run");
     let s = r.unwrap();
     assert_eq!(s.processed as i64, n, "{s:?}");
-    drop(running);
 
-    let again = consumer(&db, broker.port).exit_when_idle(Duration::from_secs(1));
+    // The consumer given back runs again (the cancelled run's stop is spent), and finds everything acked.
+    let again = running.exit_when_idle(Duration::from_secs(1));
     let (_, r) = rt.block_on(again.run_until(count, std::future::pending()));
     let s = r.unwrap();
+    assert!(
+        s.connections >= 1,
+        "the consumer given back did not run again: {s:?}"
+    );
     assert_eq!((s.processed, s.duplicates), (0, 0), "all acked: {s:?}");
 }
 

@@ -221,7 +221,10 @@ impl Consumer {
             let r = self.run(handler);
             (self, r)
         });
-        until(stop, run, cancel).await
+        let (consumer, result) = until(stop.clone(), run, cancel).await;
+        // The run is over: the stop it was asked for is spent, and the consumer can run again.
+        stop.reset();
+        (consumer, result)
     }
 }
 

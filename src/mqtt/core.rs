@@ -35,6 +35,11 @@ impl StopHandle {
         self.0.load(Ordering::SeqCst)
     }
 
+    /// Clears a stop request, so that the consumer can run again.
+    pub(crate) fn reset(&self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+
     /// The flag itself, e.g. for `signal_hook::flag::register`.
     pub fn flag(&self) -> Arc<AtomicBool> {
         self.0.clone()
