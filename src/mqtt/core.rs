@@ -86,6 +86,7 @@ pub struct ConsumerCore {
     handler_attempts: u32,
     pub(crate) receive_only: Option<BacklogThreshold>,
     storage_retry_limit: Duration,
+    pub(crate) memory_budget: usize,
     pub(crate) stop: StopHandle,
     pub(crate) exit_when_idle: Option<Duration>,
     gate: Option<AckGate>,
@@ -135,6 +136,7 @@ impl ConsumerCore {
             handler_attempts: 3,
             receive_only: None,
             storage_retry_limit: STORAGE_RETRY_LIMIT,
+            memory_budget: crate::mqtt::budget::DEFAULT_MEMORY_BUDGET,
             stop: StopHandle::default(),
             exit_when_idle: None,
             gate: None,
@@ -191,6 +193,15 @@ impl ConsumerCore {
     /// it (for a supervisor to see and restart; the broker redelivers). Default 60 s.
     pub fn storage_retry_limit(mut self, limit: Duration) -> Self {
         self.storage_retry_limit = limit;
+        self
+    }
+
+    /// The memory budget of [`ConsumerCore::spawn`]'s feed: while the deliveries handed over and not yet
+    /// committed hold more than `bytes`, [`Feed::publish`](crate::Feed::publish) waits (see
+    /// [`Consumer::memory_budget`](crate::Consumer::memory_budget), which this is for the `Consumer`).
+    /// Default [`DEFAULT_MEMORY_BUDGET`](crate::DEFAULT_MEMORY_BUDGET) (2 MiB).
+    pub fn memory_budget(mut self, bytes: usize) -> Self {
+        self.memory_budget = bytes.max(1);
         self
     }
 

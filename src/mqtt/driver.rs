@@ -55,7 +55,7 @@ impl std::error::Error for FeedClosed {}
 /// the [`AckGate`] in step, so the commit thread never sends an ack on a newer connection.
 ///
 /// [`Feed::publish`] blocks while the deliveries handed over and not yet committed hold more than the memory
-/// budget (2 MiB here, [`DEFAULT_MEMORY_BUDGET`](crate::DEFAULT_MEMORY_BUDGET); the `Consumer` sets its own,
+/// budget ([`ConsumerCore::memory_budget`], 2 MiB by default; the `Consumer`'s is
 /// [`Consumer::memory_budget`](crate::Consumer::memory_budget)): the caller stops polling the event loop, so
 /// nothing more is read from the socket and TCP pushes back on the broker. One exception, so that this never
 /// deadlocks: while the client's request channel is full of acks and only this caller can drain it (by
@@ -534,7 +534,7 @@ impl ConsumerCore {
             core.batch_size = usize::from(window.max(1));
         }
         let stop = core.stop_handle();
-        let budget = Budget::new(budget::DEFAULT_MEMORY_BUDGET);
+        let budget = Budget::new(core.memory_budget);
         let (feed, rx) = channel(gate.clone(), budget.clone());
         let handle = std::thread::Builder::new()
             .name(format!("inbox-commit-{}", core.scope))
@@ -542,6 +542,7 @@ impl ConsumerCore {
                 let window = usize::from(window.max(1));
                 let ran = Driver::new(&mut core, &rx, &gate, &client, window, budget.clone())
                     .run(&mut handler);
+                core.summary.peak_held_bytes = budget.peak() as u64;
                 let result = ran.map(|_| core.summary);
                 core.health
                     .publish_final(&core.summary, core.connection(), core.unsettled());

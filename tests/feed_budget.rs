@@ -1,6 +1,6 @@
-//! A handler that panics while the memory budget is full: the side reading the connection, waiting in
-//! `Feed::publish` for room, must be let go (and then finds the feed closed) instead of waiting for ever with
-//! its socket and the deliveries it holds.
+//! The memory budget of a `Feed` (`ConsumerCore::spawn`): what the application's event loop hands over and
+//! the commit thread has not committed stays within it, and a handler that panics while it is full lets the
+//! waiting reader go.
 #![cfg(feature = "mqtt")]
 
 use std::time::{Duration, Instant};
@@ -48,4 +48,42 @@ fn a_panicking_handler_lets_a_reader_waiting_for_room_in_the_budget_go() {
     let _closed_at = reader.join().unwrap();
     let joined = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| commits.join()));
     assert!(joined.is_err(), "the handler's panic reaches the joiner");
+}
+
+/// The budget set on the core bounds what is held between `Feed::publish` and the commit, and the run's
+/// summary reports the peak.
+#[test]
+fn the_cores_memory_budget_bounds_what_the_feed_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("b.db"), Config::default()).unwrap();
+    let handler = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        std::thread::sleep(Duration::from_millis(2));
+        tx.put(d.message_id, &1u8)?;
+        Ok(())
+    };
+    let options = rumqttc::v5::MqttOptions::new("never-connected", "127.0.0.1", 1);
+    let (client, _eventloop) = rumqttc::v5::Client::new(options, 10);
+    let budget = 64 << 10;
+    let (mut feed, commits) = ConsumerCore::new(inbox, "telemetry")
+        .memory_budget(budget)
+        .spawn(handler, client, 20)
+        .unwrap();
+    feed.connected(false).unwrap();
+    let n = 200;
+    for i in 0..n {
+        // QoS 0 (no packet id): nothing to ack, so no broker is needed.
+        let inbound = Inbound::new("t/a", vec![b'x'; 16 << 10])
+            .with_user_property("message-id", format!("t-{i}"));
+        feed.publish(inbound, None).unwrap();
+    }
+    drop(feed);
+    let (_, summary) = commits.join();
+    let summary = summary.unwrap();
+    assert_eq!(summary.processed, n, "{summary:?}");
+    let one = (16 << 10) + 1024;
+    assert!(
+        summary.peak_held_bytes > 0 && summary.peak_held_bytes <= (budget + one) as u64,
+        "held {} bytes at most with a budget of {budget}",
+        summary.peak_held_bytes
+    );
 }
