@@ -315,10 +315,12 @@
 //!   ([`MqttConfig::inflight`]: our Receive Maximum for MQTT 5, which by default follows the budget, 8192;
 //!   mosquitto's `max_inflight_messages` for 3.1.1), or the consumer would wait for deliveries the broker
 //!   withholds until it acks.
-//! - **Memory** is bounded whatever the broker does: while the deliveries received and not yet committed
-//!   hold more than the budget, the poll thread stops reading the socket and TCP pushes back on the broker
-//!   (mosquitto 2.0.11 does not keep to our Receive Maximum). [`RunSummary::peak_held_bytes`] tells the most
-//!   held at once.
+//! - **Memory**: while the deliveries received and not yet committed hold more than the budget, the poll
+//!   thread stops reading the socket and TCP pushes back on the broker, which keeps the rest in its session
+//!   (mosquitto 2.0.11 does not keep to our Receive Maximum, so the window alone would not bound it). One
+//!   exception keeps the poll thread and the commit thread from waiting on each other: while rumqttc's
+//!   request channel (4 times the window) is full of PUBACKs, the limit is lifted until one can be queued.
+//!   [`RunSummary::peak_held_bytes`] tells the most held at once.
 //! - **Acks** only after the commit that covers the delivery returned `Ok` (processed, duplicate, conflict,
 //!   quarantined or dead-lettered), strictly in arrival order (MQTT-4.6.0-2). A reconnect drops whatever
 //!   was received on the old connection unacked (also what the MQTT library had buffered from it); the
