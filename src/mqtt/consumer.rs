@@ -236,11 +236,12 @@ impl Consumer {
         let mut driver = Driver::new(&mut self.core, &rx, &gate, &client, window, budget.clone());
         driver.exit_when_idle = self.exit_when_idle;
         let end = driver.run(&mut handler);
-        drop(driver); // closes the budget: nothing waits for room any more
-                      // The batch's PUBACKs are queued; the DISCONNECT goes behind them, and the poll thread ends once the
-                      // broker has closed the connection after reading them. Whatever still arrives was never committed
-                      // here: left unacked for the broker to redeliver, and drained only so that the poll thread is never
-                      // stuck handing it over.
+        // Dropping the driver closes the budget: nothing waits for room any more.
+        drop(driver);
+        // The batch's PUBACKs are queued; the DISCONNECT goes behind them, and the poll thread ends once the
+        // broker has closed the connection after reading them. Whatever still arrives was never committed
+        // here: left unacked for the broker to redeliver, and drained only so that the poll thread is never
+        // stuck handing it over.
         closing.store(true, Ordering::SeqCst);
         let deadline = Instant::now() + STOP_WAIT;
         let mut disconnect_queued = false;
