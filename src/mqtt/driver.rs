@@ -62,9 +62,8 @@ impl std::error::Error for FeedClosed {}
 /// polling), the limit is lifted until an ack can be queued again, and what the broker sends beyond our
 /// window meanwhile is held. Give the client a request channel larger than the window (rumqttc's `cap`) and
 /// that never happens with a broker that keeps to the window. A handler that panics closes the feed: a
-/// caller waiting here is let go. On an
-/// async executor, wrap it in an `AsyncFeed` (feature `tokio`), which waits on the blocking pool, or keep the
-/// event loop on a thread of its own.
+/// caller waiting here is let go. On an async executor, wrap it in an `AsyncFeed` (feature `tokio`), which
+/// waits on the blocking pool, or keep the event loop on a thread of its own.
 pub struct Feed {
     tx: Sender<Event>,
     gate: AckGate,
