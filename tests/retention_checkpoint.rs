@@ -93,9 +93,10 @@ fn a_consumer_never_checkpoints_while_a_prune_runs() {
     }
     assert_eq!(pruned, n as u64);
     let wal_frames = pruner.bytes_written().unwrap().wal_bytes / (4096 + 24);
+    // At a quarter of the rows (under qemu) about 4,400 frames; at full size several times that.
     assert!(
-        wal_frames > 5_000,
-        "{wal_frames} WAL frames were written: several times the consumer's checkpoint threshold"
+        wal_frames > 2_000,
+        "{wal_frames} WAL frames were written: the consumer's checkpoint threshold twice over at least"
     );
     assert_eq!(
         consumer_checkpoints, 0,
