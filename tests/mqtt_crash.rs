@@ -111,17 +111,7 @@ impl Rng {
 
 #[test]
 fn kill9_consumer_at_random_moments_loses_and_doubles_nothing() {
-    let seed = std::env::var("EDGE_INBOX_CRASH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
-    println!("seed {seed} (set EDGE_INBOX_CRASH_SEED to replay)");
+    let seed = common::crash_seed();
     let mut rng = Rng(seed);
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();

@@ -20,6 +20,23 @@ pub fn through_runner(exe: &Path) -> Command {
     }
 }
 
+/// The seed of a randomized crash test: `EDGE_INBOX_CRASH_SEED` to replay one, else from the clock (odd, as
+/// the tests' xorshift needs a non-zero state). Printed, so that a failure can be replayed.
+pub fn crash_seed() -> u64 {
+    let seed = std::env::var("EDGE_INBOX_CRASH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
+    println!("seed {seed} (set EDGE_INBOX_CRASH_SEED to replay)");
+    seed
+}
+
 /// Whether the binaries under test run under an emulator (`EDGE_INBOX_TEST_RUNNER`): a child's memory figures
 /// are then the emulator's, its translated code included.
 pub fn emulated() -> bool {

@@ -212,17 +212,7 @@ impl Rng {
 /// Commands (a quarter repeated) published while the example is started and killed with SIGKILL 15 times
 /// at random moments; then a run until idle: every distinct command applied exactly once, none left.
 pub fn kill9_at_random_moments_loses_and_doubles_no_command(example: &str, device: &str) {
-    let seed = std::env::var("EDGE_INBOX_CRASH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
-    println!("seed {seed} (set EDGE_INBOX_CRASH_SEED to replay)");
+    let seed = common::crash_seed();
     let mut rng = Rng(seed);
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();
