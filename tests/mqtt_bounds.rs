@@ -104,17 +104,7 @@ fn garbage_of_8_mib_without_an_id_grows_neither_memory_nor_the_database() {
         &[Msg::new("orders/good", Some("evt-good"), good)],
     );
 
-    let mut cmd = common::child_command("garbage_child");
-    cmd.env("EDGE_INBOX_BOUNDS_PORT", broker.port.to_string())
-        .env("EDGE_INBOX_BOUNDS_DB", &db);
-    let out = cmd.output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    println!("{stdout}");
+    let stdout = run_child("garbage_child", broker.port, &db);
     let line = stdout
         .lines()
         .find_map(|l| l.split_once("peak_rss_kib ").map(|(_, v)| v))
@@ -277,17 +267,7 @@ fn an_unpaced_flood_holds_no_more_than_the_memory_budget() {
     publish_v5(broker.port, &msgs);
     drop(msgs);
 
-    let mut cmd = common::child_command("flood_child");
-    cmd.env("EDGE_INBOX_BOUNDS_PORT", broker.port.to_string())
-        .env("EDGE_INBOX_BOUNDS_DB", &db);
-    let out = cmd.output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    println!("{stdout}");
+    let stdout = run_child("flood_child", broker.port, &db);
     let figure = |name: &str| -> u64 {
         stdout
             .split_whitespace()
@@ -329,4 +309,21 @@ fn an_unpaced_flood_holds_no_more_than_the_memory_budget() {
         .scope_stats(SCOPE)
         .unwrap();
     assert_eq!(st.processed, n as u64);
+}
+
+/// Runs the ignored test `name` of this binary as a child process on the broker at `port` and the database
+/// `db`; its stdout, once it exited successfully.
+fn run_child(name: &str, port: u16, db: &std::path::Path) -> String {
+    let mut cmd = common::child_command(name);
+    cmd.env("EDGE_INBOX_BOUNDS_PORT", port.to_string())
+        .env("EDGE_INBOX_BOUNDS_DB", db);
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{stdout}");
+    stdout
 }
