@@ -46,6 +46,10 @@ fn main() -> anyhow::Result<()> {
     options.set_session_expiry_interval(Some(7 * 24 * 3600));
     options.set_receive_maximum(Some(WINDOW));
     options.set_max_packet_size(Some(edge_inbox::DEFAULT_MAX_PACKET));
+    // A batch's PUBACKs leave back to back: without this, all but the first wait for a delayed TCP ACK.
+    let mut network = options.network_options();
+    network.set_tcp_nodelay(true);
+    options.set_network_options(network);
     let (client, mut connection) = Client::new(options, 1024);
 
     let inbox = Inbox::open(&args.db, Config::default())?;

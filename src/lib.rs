@@ -414,8 +414,10 @@
 //!
 //! - **The crate's connection**: [`Consumer::run`]; the calling thread is the commit thread.
 //! - **Your own connection** (one rumqttc client for telemetry and commands): build the client with
-//!   `clean_start(false)` (3.1.1: `clean_session(false)`), manual acks, a Receive Maximum `W` and
-//!   `max_packet_size(Some(DEFAULT_MAX_PACKET))`; `ConsumerCore::new(inbox, scope).spawn(handler,
+//!   `clean_start(false)` (3.1.1: `clean_session(false)`), manual acks, a Receive Maximum `W`,
+//!   `max_packet_size(Some(DEFAULT_MAX_PACKET))` and TCP_NODELAY (`NetworkOptions::set_tcp_nodelay`; the
+//!   PUBACKs of a batch leave back to back, and with Nagle's algorithm all but the first wait for the broker
+//!   host's delayed TCP ACK, up to 40 ms, as the crate's own connection does not); `ConsumerCore::new(inbox, scope).spawn(handler,
 //!   client.clone(), W)`; then, in your event loop: on every `ConnAck` call `feed.connected(session_present)`
 //!   and subscribe; hand every PUBLISH for the inbox to `feed.publish_v5(p)`, and call
 //!   `feed.pass_through(pkid)` for the QoS1 publishes of other topics you handle yourself instead of acking
@@ -465,6 +467,9 @@
 //!     options.set_session_expiry_interval(Some(7 * 24 * 3600));
 //!     options.set_receive_maximum(Some(20));
 //!     options.set_max_packet_size(Some(edge_inbox::DEFAULT_MAX_PACKET));
+//!     let mut network = options.network_options();
+//!     network.set_tcp_nodelay(true);
+//!     options.set_network_options(network);
 //!     let (client, mut eventloop) = AsyncClient::new(options, 64);
 //!     let inbox = tokio::task::spawn_blocking(|| Inbox::open("/var/lib/gw/inbox.db", Config::default()))
 //!         .await??;

@@ -566,8 +566,104 @@ fn a_handler_that_ends_the_transaction_is_dead_lettered_and_the_stream_moves_on(
     assert_eq!(s.acked, 7, "{s:?}");
 }
 
+/// The TCP sockets of this process connected to `port`, with their `TCP_NODELAY` setting.
+fn sockets_to(port: u16) -> Vec<(std::net::SocketAddr, bool)> {
+    use std::os::fd::{BorrowedFd, RawFd};
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        let is_socket = std::fs::read_link(entry.path())
+            .map(|l| l.to_string_lossy().starts_with("socket:"))
+            .unwrap_or(false);
+        let Some(fd) = entry
+            .file_name()
+            .to_str()
+            .and_then(|f| f.parse::<RawFd>().ok())
+        else {
+            continue;
+        };
+        if !is_socket {
+            continue;
+        }
+        // SAFETY: an fd of this process, listed a moment ago; only duplicated, and the copy is closed below.
+        let Ok(owned) = unsafe { BorrowedFd::borrow_raw(fd) }.try_clone_to_owned() else {
+            continue;
+        };
+        let stream = std::net::TcpStream::from(owned);
+        if let (Ok(peer), Ok(local), Ok(nodelay)) =
+            (stream.peer_addr(), stream.local_addr(), stream.nodelay())
+        {
+            if peer.port() == port && local.port() != port {
+                out.push((local, nodelay));
+            }
+        }
+    }
+    out
+}
+
+/// The PUBACKs of a batch go out back to back once it commits. With Nagle's algorithm on, every one after the
+/// first waits until the broker's host acknowledges the first at the TCP level, which a quiet broker delays
+/// by up to 40 ms (delayed ACK): the tail of every batch's latency. The consumer's socket turns it off.
+fn the_consumers_connection_sends_its_acks_without_nagles_delay(protocol: Protocol) {
+    init_log();
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let id = format!("nodelay-{protocol:?}");
+    let config = mqtt(&broker, &id, protocol);
+    prime(&db, config.clone());
+    let mut c = consumer(&db, config);
+    let stop = c.stop_handle();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen2 = seen.clone();
+    let port = broker.port;
+    match protocol {
+        Protocol::V5 => publish_v5(port, &msgs("nodelay", 1)),
+        _ => publish_v311(
+            port,
+            &[(
+                "acks/m".to_owned(),
+                Envelope::new("nodelay-0", b"0".to_vec()).encode(),
+            )],
+        ),
+    }
+    let s = c
+        .run(
+            move |_: &mut edge_inbox::Tx<'_>, _: &edge_inbox::Delivery<'_>| {
+                *seen2.lock().unwrap() = sockets_to(port);
+                stop.stop();
+                Ok(())
+            },
+        )
+        .unwrap();
+    assert_eq!(s.processed, 1, "{s:?}");
+    let seen = seen.lock().unwrap();
+    assert!(!seen.is_empty(), "no connection to the broker found");
+    assert!(
+        seen.iter().all(|&(_, nodelay)| nodelay),
+        "sockets to the broker with Nagle's algorithm on: {seen:?}"
+    );
+}
+
+fn v311_the_consumers_connection_sends_its_acks_without_nagles_delay() {
+    the_consumers_connection_sends_its_acks_without_nagles_delay(Protocol::V311)
+}
+
+fn v5_the_consumers_connection_sends_its_acks_without_nagles_delay() {
+    the_consumers_connection_sends_its_acks_without_nagles_delay(Protocol::V5)
+}
+
 fn main() {
     broker::run_tests(&[
+        (
+            "v311_the_consumers_connection_sends_its_acks_without_nagles_delay",
+            v311_the_consumers_connection_sends_its_acks_without_nagles_delay,
+            Needs::AnyBroker,
+        ),
+        (
+            "v5_the_consumers_connection_sends_its_acks_without_nagles_delay",
+            v5_the_consumers_connection_sends_its_acks_without_nagles_delay,
+            Needs::AnyBroker,
+        ),
         (
             "a_stop_from_the_handler_mid_batch_acks_the_whole_batch",
             a_stop_from_the_handler_mid_batch_acks_the_whole_batch,
