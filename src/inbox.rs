@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use rusqlite::{Connection, OptionalExtension};
 
 use crate::retention::{self, RetentionState, ScopeRules};
+use crate::store::checkpointer::Checkpointer;
 use crate::store::config::{Config, OutboxSettings};
 use crate::store::db::Db;
 use crate::store::error::{storage_error, Error, Result};
@@ -79,7 +80,18 @@ impl Inbox {
         conn.id_key = schema::id_key(&conn)?;
         conn.slow_commit = config.slow_commit;
         conn.path = path.to_owned();
-        conn.wear = crate::store::wear::Wear::install(&conn, config.wal_autocheckpoint.into());
+        let threshold = i64::from(config.wal_autocheckpoint);
+        let checkpointer = if config.checkpoint_thread && threshold > 0 {
+            Some(Checkpointer::start(path, &config, threshold)?)
+        } else {
+            None
+        };
+        conn.wear = crate::store::wear::Wear::install(
+            &conn,
+            threshold,
+            checkpointer.as_ref().map(|c| c.shared().clone()),
+        );
+        conn.checkpointer = checkpointer;
         Ok(Inbox {
             conn,
             config,

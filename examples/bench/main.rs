@@ -135,6 +135,10 @@ struct Args {
     /// The inboxes' `Config::journal_size_limit`.
     #[arg(long, value_name = "BYTES")]
     journal_size_limit: Option<i64>,
+    /// The inboxes' `Config::checkpoint_thread` (default on): `false` runs the automatic checkpoint inside
+    /// the commit that crosses the threshold.
+    #[arg(long, value_name = "BOOL")]
+    checkpoint_thread: Option<bool>,
 }
 
 /// The modes of `--mode`.
@@ -170,6 +174,9 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(b) = args.journal_size_limit {
         config = config.journal_size_limit(b);
+    }
+    if let Some(on) = args.checkpoint_thread {
+        config = config.checkpoint_thread(on);
     }
     set_inbox_config(config);
     if args.sync_delay_ms > 0 {

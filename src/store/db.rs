@@ -74,6 +74,10 @@ pub(crate) struct Db {
     pub(crate) clock_seen: Cell<i64>,
     /// Bytes written to the files, for flash wear (see [`Wear`](crate::store::wear::Wear)).
     pub(crate) wear: Box<crate::store::wear::Wear>,
+    /// The automatic checkpoint's thread, when it has one ([`Config::checkpoint_thread`]).
+    ///
+    /// [`Config::checkpoint_thread`]: crate::Config::checkpoint_thread
+    pub(crate) checkpointer: Option<crate::store::checkpointer::Checkpointer>,
 }
 
 /// What the connection's commit and rollback hooks know about a running handler.
@@ -236,6 +240,9 @@ impl Drop for Db {
     fn drop(&mut self) {
         // The thread uses the connection: it stops first.
         drop(self.waiter.take());
+        // Its connection closes first, so this one stays the last: SQLite's final checkpoint at close, and
+        // keeping the files of a database deleted meanwhile, are this connection's.
+        drop(self.checkpointer.take());
         // SAFETY: the statements are dropped exactly once, here, and before the connection they borrow;
         // `conn` came from `Box::into_raw` in `Db::new` and is freed exactly once.
         self.wear.save_on_close(self);
@@ -294,6 +301,7 @@ impl Db {
                 id_key: crate::store::identity::IdKey::UNKEYED,
                 clock_seen: Cell::new(0),
                 wear: Box::default(),
+                checkpointer: None,
             }),
             Err(e) => {
                 // SAFETY: no statement borrows the connection any more (`prepare` failed and dropped them).

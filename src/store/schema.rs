@@ -201,6 +201,24 @@ fn open_once(path: &Path, config: &Config) -> Result<Connection> {
     Ok(conn)
 }
 
+/// Opens the connection of the inbox's checkpoint thread ([`crate::store::checkpointer`], which sets its busy
+/// handler): it never writes a page, and syncs its checkpoints at the inbox's `synchronous` level.
+pub(crate) fn open_for_checkpoints(path: &Path, config: &Config) -> Result<Connection> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = match &config.vfs {
+        None => Connection::open_with_flags(path, flags),
+        Some(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs.as_str()),
+    }
+    .map_err(|e| classify_open(e, path))?;
+    apply_settings(&conn, config)?;
+    // Reads the schema, which opens the WAL and its index for the checkpoints.
+    conn.query_row("SELECT count(*) FROM sqlite_master", [], |r| {
+        r.get::<_, i64>(0)
+    })
+    .map_err(Error::from)?;
+    Ok(conn)
+}
+
 /// Opens an existing inbox read-only (for inspection tools). Refuses a missing file or an unknown schema.
 pub fn open_read_only(path: &Path) -> Result<Connection> {
     // The operating system's own reason (missing, or a directory on the way that cannot be searched), before

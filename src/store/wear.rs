@@ -16,8 +16,11 @@ use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void};
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use rusqlite::{ffi, Connection};
 
+use crate::store::checkpointer::{thread_write_bytes, Shared, RESTART_WAIT};
 use crate::store::schema::install_busy_handler;
 
 /// `inbox_meta` name of the cumulative bytes written to the WAL (frames and their headers).
@@ -27,9 +30,6 @@ pub(crate) const CHECKPOINT_BYTES: &str = "bytes_written_checkpoint";
 
 /// A WAL frame's header.
 const FRAME_HEADER: u64 = 24;
-
-/// How long a pruner's RESTART checkpoint waits for readers to leave the WAL, holding the write lock.
-pub(crate) const RESTART_WAIT: Duration = Duration::from_millis(10);
 
 /// The counters of one connection. Boxed and owned by the connection's [`Db`](crate::store::db::Db); the
 /// WAL hook gets its address and runs on the connection's thread, inside `sqlite3_step`.
@@ -51,6 +51,10 @@ pub(crate) struct Wear {
     save_due: Cell<bool>,
     /// Checkpoints that copied frames back, since the connection opened.
     checkpoints: Cell<u64>,
+    /// The checkpoint thread the hook asks instead of checkpointing itself ([`Config::checkpoint_thread`]).
+    ///
+    /// [`Config::checkpoint_thread`]: crate::Config::checkpoint_thread
+    background: Option<Arc<Shared>>,
 }
 
 /// Bytes written, as the counters know them.
@@ -62,10 +66,16 @@ pub(crate) struct Written {
 
 impl Wear {
     /// Installs the hook on `conn` and returns the counters it updates, which must be kept (the box, not
-    /// necessarily where it is held) until the connection is closed.
-    pub(crate) fn install(conn: &Connection, autocheckpoint: i64) -> Box<Wear> {
+    /// necessarily where it is held) until the connection is closed. With `background`, the hook asks that
+    /// thread for the automatic checkpoint instead of running it inside the commit.
+    pub(crate) fn install(
+        conn: &Connection,
+        autocheckpoint: i64,
+        background: Option<Arc<Shared>>,
+    ) -> Box<Wear> {
         let wear = Box::new(Wear {
             autocheckpoint,
+            background,
             page_size: conn
                 .query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))
                 .map_or(4096, |p| p.max(512) as u64),
@@ -80,11 +90,30 @@ impl Wear {
         wear
     }
 
-    /// What this connection wrote and has not yet saved in the file.
+    /// What this connection (and its checkpoint thread) wrote and has not yet saved in the file.
     pub(crate) fn unsaved(&self) -> Written {
+        let own = self.own_unsaved();
+        Written {
+            checkpoint: own.checkpoint + self.background.as_ref().map_or(0, |b| b.peek_copied()),
+            ..own
+        }
+    }
+
+    /// The counts this connection holds (what its thread copied since the last [`Wear::collect`] aside).
+    fn own_unsaved(&self) -> Written {
         Written {
             wal: self.unsaved_wal.get(),
             checkpoint: self.unsaved_checkpoint.get(),
+        }
+    }
+
+    /// Takes over what the checkpoint thread copied since the last look.
+    fn collect(&self) {
+        if let Some(copied) = self.background.as_ref().map(|b| b.take_copied()) {
+            if copied > 0 {
+                self.add(0, copied);
+                self.save_due.set(true);
+            }
         }
     }
 
@@ -92,10 +121,11 @@ impl Wear {
     /// the unsaved counts to `inbox_meta` and returns what was added (to be forgotten once the commit
     /// succeeded, [`Wear::saved`]). A failure only leaves the counts for a later commit.
     pub(crate) fn stage(&self, conn: &Connection) -> Option<Written> {
+        self.collect();
         if !self.save_due.get() {
             return None;
         }
-        let w = self.unsaved();
+        let w = self.own_unsaved();
         match add_to_meta(conn, w) {
             Ok(()) => Some(w),
             Err(e) => {
@@ -116,7 +146,8 @@ impl Wear {
     /// Saves what is left in a transaction of its own (the connection is closing). Best effort: a database
     /// busy for more than 100 ms, or failing, loses these counts, which only makes the cumulative figure low.
     pub(crate) fn save_on_close(&self, conn: &Connection) {
-        let w = self.unsaved();
+        self.collect();
+        let w = self.own_unsaved();
         if w == Written::default() || !conn.is_autocommit() {
             return;
         }
@@ -249,12 +280,16 @@ unsafe extern "C" fn on_commit(
     let new = pages.wrapping_sub(wear.pages_seen.get()) as u64;
     wear.pages_seen.set(pages);
     let frames = i64::from(frames);
-    if frames < wear.frames_in_wal.get() {
-        // The WAL started over from its beginning since this connection last looked.
+    // The WAL started over from its beginning since this connection last looked.
+    let restarted = frames < wear.frames_in_wal.get();
+    if restarted {
         wear.backfilled.set(0);
     }
     wear.frames_in_wal.set(frames);
-    let copied = if wear.autocheckpoint > 0 && frames >= wear.autocheckpoint {
+    let copied = if let Some(b) = wear.background.as_ref().filter(|_| wear.autocheckpoint > 0) {
+        b.after_commit(frames, restarted, wear.autocheckpoint);
+        0
+    } else if wear.autocheckpoint > 0 && frames >= wear.autocheckpoint {
         match wear.checkpoint_counted(db, name, ffi::SQLITE_CHECKPOINT_PASSIVE) {
             Some(copied) => {
                 wear.checkpoints.set(wear.checkpoints.get() + 1);
@@ -267,13 +302,4 @@ unsafe extern "C" fn on_commit(
     };
     wear.add(new * (wear.page_size + FRAME_HEADER), copied);
     ffi::SQLITE_OK
-}
-
-/// Bytes this thread has caused to be written to storage (`write_bytes` of `/proc/thread-self/io`: page-cache
-/// pages it dirtied); `None` where the kernel does not report it.
-fn thread_write_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/thread-self/io").ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("write_bytes:"))
-        .and_then(|v| v.trim().parse().ok())
 }

@@ -1,0 +1,248 @@
+//! The automatic checkpoint on a thread of the inbox's own ([`Config::checkpoint_thread`]), so that the
+//! commit which leaves the WAL past its threshold does not also copy it back: that copy and its two syncs
+//! are the tail of a consumer's commit latency on slow flash (40-60 ms at 5 ms per sync), and every
+//! delivery waiting behind that commit pays them too.
+//!
+//! The committing connection's WAL hook ([`Wear`](crate::store::wear::Wear)) only asks; this thread runs the
+//! checkpoint on a connection of its own, which never writes. A PASSIVE checkpoint takes no lock a writer
+//! needs, so commits go on meanwhile. But the WAL only starts over at a write that begins once every frame
+//! is copied, and beside a writer committing every few milliseconds a commit nearly always lands during the
+//! copy; so once the WAL is twice the threshold long the commit that finds it so waits (after its own
+//! commit, holding no lock) while the thread runs a RESTART: the copy of the few frames added since the
+//! last checkpoint and two syncs, waiting [`RESTART_WAIT`] at most for readers. A writer that never pauses
+//! would otherwise take the write lock back before the RESTART could. That wait, once per two thresholds
+//! of WAL at most, is what is left in a commit of the checkpoint's cost, against a whole checkpoint once
+//! per threshold inside the commit.
+//!
+//! The bytes it copied into the database file are handed to the committing connection's counters, which
+//! save them with their own ([`Wear::stage`](crate::store::wear::Wear::stage)).
+//!
+//! [`Config::checkpoint_thread`]: crate::Config::checkpoint_thread
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rusqlite::{ffi, Connection};
+
+use crate::store::config::Config;
+use crate::store::error::Result;
+use crate::store::schema::install_busy_handler;
+
+/// How long a RESTART checkpoint (the thread's, or a pruner's) waits for readers to leave the WAL, holding
+/// the write lock.
+pub(crate) const RESTART_WAIT: Duration = Duration::from_millis(10);
+
+/// What the committing connection and the checkpoint thread share.
+#[derive(Default)]
+pub(crate) struct Shared {
+    wake: Mutex<Wake>,
+    /// The thread waits on it for a request.
+    cv: Condvar,
+    /// A commit waits on it for the thread's RESTART.
+    restarted: Condvar,
+    /// A request is waiting (the hook's fast path: no lock while one is).
+    requested: AtomicBool,
+    /// Frames of the current WAL that the thread's last checkpoint copied back (0 once the WAL started over).
+    backfilled: AtomicI64,
+    /// WAL length (frames) at which a commit waits for a RESTART; 0 until the first commit sets it.
+    restart_at: AtomicI64,
+    /// Bytes copied into the database file and not yet taken by the committing connection's counters.
+    copied: AtomicU64,
+}
+
+#[derive(Default)]
+struct Wake {
+    due: bool,
+    restart: bool,
+    stop: bool,
+}
+
+/// How long a commit waits for the thread's RESTART (a copy of the frames added since its last checkpoint,
+/// two syncs, and [`RESTART_WAIT`] for readers): a bound for a thread held up by a slow sync. Later commits
+/// do not wait while that request is still unanswered.
+const RESTART_HANDSHAKE: Duration = Duration::from_millis(250);
+
+impl Shared {
+    /// From the committing connection's WAL hook, after a commit that left `frames` in the WAL (SQLite
+    /// calls the hook once the commit's write lock is released); `restarted` when the WAL started over
+    /// since the hook last looked.
+    ///
+    /// Asks for a PASSIVE checkpoint when `threshold` frames are not yet copied: no lock unless it asks,
+    /// once until the thread takes the request. Once the WAL is twice the threshold long (a commit landed
+    /// during every copy, so it never started over), waits for the thread's RESTART: with this writer
+    /// waiting here the write lock is free, whereas a writer that never pauses would take it back before
+    /// the RESTART's busy handler looked again. A RESTART that fails (a reader it cannot wait out, another
+    /// writer) is asked for again only after `threshold` more frames.
+    pub(crate) fn after_commit(&self, frames: i64, restarted: bool, threshold: i64) {
+        let restart_at = self.restart_at.load(Ordering::Relaxed);
+        if restarted || restart_at == 0 {
+            self.backfilled.store(0, Ordering::Relaxed);
+            self.restart_at
+                .store(threshold.saturating_mul(2), Ordering::Relaxed);
+        } else if frames >= restart_at {
+            let mut w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
+            if w.restart {
+                // Asked before and not answered: the thread is still in a checkpoint (a slow sync).
+                return;
+            }
+            w.due = true;
+            w.restart = true;
+            self.cv.notify_all();
+            let deadline = Instant::now() + RESTART_HANDSHAKE;
+            while w.restart && !w.stop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    log::debug!(
+                        "the checkpoint thread did not restart the WAL in {RESTART_HANDSHAKE:?}"
+                    );
+                    break;
+                }
+                w = self
+                    .restarted
+                    .wait_timeout(w, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            return;
+        }
+        if frames - self.backfilled.load(Ordering::Relaxed) < threshold
+            || self.requested.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let mut w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
+        w.due = true;
+        self.cv.notify_all();
+    }
+
+    /// Bytes the thread copied since the last call.
+    pub(crate) fn take_copied(&self) -> u64 {
+        self.copied.swap(0, Ordering::AcqRel)
+    }
+
+    /// Bytes copied and not yet taken.
+    pub(crate) fn peek_copied(&self) -> u64 {
+        self.copied.load(Ordering::Acquire)
+    }
+}
+
+/// The thread and its connection; stopped and joined when dropped (before the inbox's own connection
+/// closes, so that one stays the last and runs SQLite's final checkpoint).
+pub(crate) struct Checkpointer {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Checkpointer {
+    /// Opens the thread's connection to the inbox at `path` (same VFS and `synchronous` level as the inbox's,
+    /// which set how the checkpoint syncs) and starts the thread. `threshold` is the WAL hook's.
+    pub(crate) fn start(path: &Path, config: &Config, threshold: i64) -> Result<Checkpointer> {
+        let conn = crate::store::schema::open_for_checkpoints(path, config)?;
+        install_busy_handler(&conn, RESTART_WAIT).map_err(crate::store::error::Error::from)?;
+        let shared = Arc::new(Shared::default());
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("edge-inbox-checkpoint".into())
+            .spawn(move || run(conn, &s, threshold))
+            .map_err(|e| crate::store::error::Error::Open {
+                path: path.to_owned(),
+                source: e,
+            })?;
+        Ok(Checkpointer {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        {
+            let mut w = self.shared.wake.lock().unwrap_or_else(|p| p.into_inner());
+            w.stop = true;
+            self.shared.cv.notify_one();
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run(conn: Connection, shared: &Shared, threshold: i64) {
+    loop {
+        let restart = {
+            let mut w = shared.wake.lock().unwrap_or_else(|p| p.into_inner());
+            while !w.due && !w.stop {
+                w = shared.cv.wait(w).unwrap_or_else(|p| p.into_inner());
+            }
+            if w.stop {
+                w.restart = false;
+                shared.restarted.notify_all();
+                return;
+            }
+            w.due = false;
+            w.restart
+        };
+        // Commits from now on may ask again.
+        shared.requested.store(false, Ordering::Release);
+        let before = thread_write_bytes();
+        // SAFETY: the thread's own open connection, outside any statement.
+        let db = unsafe { conn.handle() };
+        let mode = if restart {
+            ffi::SQLITE_CHECKPOINT_RESTART
+        } else {
+            ffi::SQLITE_CHECKPOINT_PASSIVE
+        };
+        let (rc, log, done) = checkpoint(db, mode);
+        if restart && rc != ffi::SQLITE_OK {
+            shared
+                .restart_at
+                .store(log.max(threshold) + threshold, Ordering::Relaxed);
+        }
+        if done > 0 {
+            // All copied: the next write starts the WAL over.
+            shared
+                .backfilled
+                .store(if done >= log { 0 } else { done }, Ordering::Relaxed);
+            if let (Some(b), Some(a)) = (before, thread_write_bytes()) {
+                shared
+                    .copied
+                    .fetch_add(a.saturating_sub(b), Ordering::AcqRel);
+            }
+        }
+        if restart {
+            let mut w = shared.wake.lock().unwrap_or_else(|p| p.into_inner());
+            w.restart = false;
+            shared.restarted.notify_all();
+        }
+    }
+}
+
+/// One checkpoint in `mode`: SQLite's result code, the frames in the WAL and the frames copied back. A
+/// RESTART that copied everything but could not wait out a reader reports BUSY: it still copied.
+fn checkpoint(db: *mut ffi::sqlite3, mode: std::ffi::c_int) -> (std::ffi::c_int, i64, i64) {
+    let (mut log, mut done) = (0, 0);
+    // SAFETY: a valid open handle used on its own thread, and SQLite's name of the main schema.
+    let rc =
+        unsafe { ffi::sqlite3_wal_checkpoint_v2(db, c"main".as_ptr(), mode, &mut log, &mut done) };
+    if rc != ffi::SQLITE_OK && rc != ffi::SQLITE_BUSY {
+        log::debug!("background checkpoint failed (SQLite code {rc})");
+    }
+    (rc, i64::from(log.max(0)), i64::from(done.max(0)))
+}
+
+/// Bytes this thread has caused to be written to storage (`write_bytes` of `/proc/thread-self/io`: page-cache
+/// pages it dirtied); `None` where the kernel does not report it.
+pub(crate) fn thread_write_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/thread-self/io").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("write_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+}
