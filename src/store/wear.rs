@@ -14,9 +14,8 @@
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void};
-use std::time::Duration;
-
 use std::sync::Arc;
+use std::time::Duration;
 
 use rusqlite::{ffi, Connection};
 
