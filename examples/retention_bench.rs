@@ -59,6 +59,10 @@ struct Args {
     /// The pruner's steps commit at the configured durability, with their own sync.
     #[arg(long)]
     sync_steps: bool,
+    /// The pruner syncs the WAL after each step, outside the write lock (`Pruning::sync_after_steps`),
+    /// instead of leaving the steps' frames for the consumers' commits to flush.
+    #[arg(long)]
+    sync_after_steps: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -113,6 +117,9 @@ fn main() -> anyhow::Result<()> {
         }
         if args.sync_steps {
             pruning = pruning.sync_steps(true);
+        }
+        if args.sync_after_steps {
+            pruning = pruning.sync_after_steps(true);
         }
         latency(
             &dir.path().join("latency.db"),
@@ -321,8 +328,15 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-/// Commits one delivery at a time (synchronous=FULL) until `stop`, pausing `gap` between them; the latencies,
-/// and how many of the commits wrote the database file (ran a checkpoint).
+/// One consumer commit: its time and what it spent it on.
+#[derive(Clone, Copy)]
+struct Commit {
+    took: Duration,
+    times: field_vfs::ThreadTimes,
+}
+
+/// Commits one delivery at a time (synchronous=FULL) until `stop`, pausing `gap` between them; each commit's
+/// time and breakdown, in commit order.
 fn consume(
     path: &Path,
     config: Config,
@@ -330,39 +344,114 @@ fn consume(
     stop: &AtomicBool,
     min: usize,
     gap: Duration,
-) -> anyhow::Result<(Vec<Duration>, usize)> {
-    let mut checkpointed = 0;
+) -> anyhow::Result<Vec<Commit>> {
     // A long prune (a million rows with slow syncs takes half an hour) shows how it goes every minute.
     let mut next_report = Instant::now() + Duration::from_secs(60);
     let mut inbox = Inbox::open(path, config)?;
-    let mut lat = Vec::new();
+    let mut commits = Vec::new();
     let mut id = String::new();
     let payload = b"{\"order\":1}";
     let noop = |_: &mut Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> { Ok(()) };
-    while !stop.load(Ordering::SeqCst) || lat.len() < min {
+    while !stop.load(Ordering::SeqCst) || commits.len() < min {
         id.clear();
         use std::fmt::Write;
-        write!(id, "{prefix}-{}", lat.len())?;
+        write!(id, "{prefix}-{}", commits.len())?;
         let d = Delivery::new("consumer", &id, "orders", payload);
         let t = Instant::now();
-        let db = field_vfs::thread_db_bytes();
+        let before = field_vfs::ThreadTimes::now();
         inbox.process(&d, noop)?;
-        lat.push(t.elapsed());
-        checkpointed += usize::from(field_vfs::thread_db_bytes() != db);
+        commits.push(Commit {
+            took: t.elapsed(),
+            times: field_vfs::ThreadTimes::now().since(before),
+        });
         if !stop.load(Ordering::SeqCst) && Instant::now() >= next_report {
             next_report += Duration::from_secs(60);
-            let mut sorted = lat.clone();
-            sorted.sort_unstable();
+            let s = Summary::of(&commits);
             eprintln!(
-                "    so far: {} commits, p50 {:.2} ms p99 {:.2} ms, {checkpointed} ran a checkpoint",
-                sorted.len(),
-                percentile(&sorted, 0.5).as_secs_f64() * 1e3,
-                percentile(&sorted, 0.99).as_secs_f64() * 1e3
+                "    so far: {} commits, p50 {:.2} ms p99 {:.2} ms, {} ran a checkpoint",
+                commits.len(),
+                ms(s.p50),
+                ms(s.p99),
+                s.checkpointed
             );
         }
         std::thread::sleep(gap);
     }
-    Ok((lat, checkpointed))
+    Ok(commits)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Percentiles of a set of commits, and where the slowest 1% spent their time.
+struct Summary {
+    n: usize,
+    p50: Duration,
+    p99: Duration,
+    max: Duration,
+    checkpointed: usize,
+    restarted: usize,
+    /// Over the commits at or above p99: how many, their mean time, mean time in syncs, mean wait for the
+    /// write lock, and how many started the WAL over (a header sync) or ran a checkpoint.
+    tail: usize,
+    tail_mean: Duration,
+    tail_sync: Duration,
+    tail_lock: Duration,
+    tail_restarted: usize,
+    tail_checkpointed: usize,
+    /// Mean time in syncs over all commits.
+    mean_sync: Duration,
+}
+
+impl Summary {
+    fn of(commits: &[Commit]) -> Summary {
+        let mut sorted: Vec<Duration> = commits.iter().map(|c| c.took).collect();
+        sorted.sort_unstable();
+        let p99 = percentile(&sorted, 0.99);
+        let tail: Vec<&Commit> = commits.iter().filter(|c| c.took >= p99).collect();
+        let mean = |f: &dyn Fn(&Commit) -> Duration, of: &[&Commit]| {
+            of.iter().map(|c| f(c)).sum::<Duration>() / of.len().max(1) as u32
+        };
+        let all: Vec<&Commit> = commits.iter().collect();
+        Summary {
+            n: commits.len(),
+            p50: percentile(&sorted, 0.5),
+            p99,
+            max: *sorted.last().unwrap(),
+            checkpointed: commits.iter().filter(|c| c.times.db_bytes > 0).count(),
+            restarted: commits.iter().filter(|c| c.times.wal_headers > 0).count(),
+            tail: tail.len(),
+            tail_mean: mean(&|c| c.took, &tail),
+            tail_sync: mean(&|c| c.times.sync, &tail),
+            tail_lock: mean(&|c| c.times.lock_wait, &tail),
+            tail_restarted: tail.iter().filter(|c| c.times.wal_headers > 0).count(),
+            tail_checkpointed: tail.iter().filter(|c| c.times.db_bytes > 0).count(),
+            mean_sync: mean(&|c| c.times.sync, &all),
+        }
+    }
+
+    /// "p99 (p50 ..., n commits, ...)" for the table.
+    fn describe(&self) -> String {
+        format!(
+            "{:.2} ms (p50 {:.2} ms, max {:.2} ms, {} commits, {} ran a checkpoint, {} started the WAL over; \
+             mean sync {:.2} ms; slowest {}: mean {:.2} ms = sync {:.2} + write-lock wait {:.2} + other, {} of them \
+             started the WAL over, {} checkpointed)",
+            ms(self.p99),
+            ms(self.p50),
+            ms(self.max),
+            self.n,
+            self.checkpointed,
+            self.restarted,
+            ms(self.mean_sync),
+            self.tail,
+            ms(self.tail_mean),
+            ms(self.tail_sync),
+            ms(self.tail_lock),
+            self.tail_restarted,
+            self.tail_checkpointed
+        )
+    }
 }
 
 fn latency(
@@ -413,21 +502,21 @@ fn latency(
 
     eprintln!("  baseline: {samples} single-delivery commits, no pruning ...");
     let stop = AtomicBool::new(true);
-    let (mut base, mut base_ckpt) = consume(path, Config::default(), "base", &stop, samples, gap)?;
-    base.sort_unstable();
+    let mut base = consume(path, Config::default(), "base", &stop, samples, gap)?;
 
     eprintln!("  the same consumer while another connection prunes {n} rows ...");
     let stop = Arc::new(AtomicBool::new(false));
     let pruner = {
         let (path, stop) = (path.to_owned(), stop.clone());
         std::thread::spawn(
-            move || -> anyhow::Result<(edge_inbox::PruneReport, Duration)> {
+            move || -> anyhow::Result<(edge_inbox::PruneReport, Duration, field_vfs::ThreadTimes)> {
                 // Default settings: prune_step itself skips the per-step fsync (a lost step is simply redone).
                 let mut inbox = Inbox::open(&path, Config::default())?;
                 let t = Instant::now();
+                let before = field_vfs::ThreadTimes::now();
                 let total = inbox.prune(&pruning)?;
                 stop.store(true, Ordering::SeqCst);
-                Ok((total, t.elapsed()))
+                Ok((total, t.elapsed(), field_vfs::ThreadTimes::now().since(before)))
             },
         )
     };
@@ -435,54 +524,35 @@ fn latency(
         Some(pages) => Config::default().wal_autocheckpoint(pages),
         None => Config::default(),
     };
-    let (mut during, during_ckpt) = consume(path, during_config, "during", &stop, samples, gap)?;
-    let (report, took) = pruner.join().expect("pruner thread")?;
+    let during = consume(path, during_config, "during", &stop, samples, gap)?;
+    let (report, took, pruner_times) = pruner.join().expect("pruner thread")?;
     // The machine is shared and noisy: measure the baseline again after the prune and pool both halves.
     eprintln!("  baseline again after the prune ...");
     let stop = AtomicBool::new(true);
-    let (after, after_ckpt) = consume(path, Config::default(), "after", &stop, samples, gap)?;
+    let after = consume(path, Config::default(), "after", &stop, samples, gap)?;
     base.extend(after);
-    base_ckpt += after_ckpt;
-    base.sort_unstable();
-    during.sort_unstable();
     assert_eq!(report.payloads_pruned as usize, n);
-    eprintln!("  prune: {report:?} in {took:.1?}");
-
-    let (b99, d99) = (percentile(&base, 0.99), percentile(&during, 0.99));
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     eprintln!(
-        "  baseline p50 {:.2} ms p99 {:.2} ms max {:.2} ms ({} commits); during prune p50 {:.2} ms p99 {:.2} ms max {:.2} ms ({} commits)",
-        ms(percentile(&base, 0.5)),
-        ms(b99),
-        ms(*base.last().unwrap()),
-        base.len(),
-        ms(percentile(&during, 0.5)),
-        ms(d99),
-        ms(*during.last().unwrap()),
-        during.len()
+        "  prune: {report:?} in {took:.1?}: {:.1?} in syncs (its checkpoints' and any after its steps), \
+         {:.1?} waiting for the write lock",
+        pruner_times.sync, pruner_times.lock_wait
     );
+
+    let (base, during) = (Summary::of(&base), Summary::of(&during));
+    eprintln!("  baseline: {}", base.describe());
+    eprintln!("  during the prune: {}", during.describe());
     rows.push((
         "consumer commit p99, no pruning (synchronous=FULL, one delivery per commit)".into(),
-        format!(
-            "{:.2} ms (p50 {:.2} ms, {} commits, {base_ckpt} ran a checkpoint)",
-            ms(b99),
-            ms(percentile(&base, 0.5)),
-            base.len()
-        ),
+        base.describe(),
         String::new(),
     ));
     rows.push((
         format!(
-            "consumer commit p99 while pruning {n} rows (prune took {took:.1?}, {} steps)",
-            report.steps
+            "consumer commit p99 while pruning {n} rows (prune took {took:.1?}, {} steps, {} pruner checkpoints, \
+             {:.1?} of the pruner's time in syncs)",
+            report.steps, report.checkpoints, pruner_times.sync
         ),
-        format!(
-            "{:.2} ms (p50 {:.2} ms, {} commits, {during_ckpt} ran a checkpoint) = {:.2}x",
-            ms(d99),
-            ms(percentile(&during, 0.5)),
-            during.len(),
-            ms(d99) / ms(b99)
-        ),
+        format!("{} = {:.2}x", during.describe(), ms(during.p99) / ms(base.p99)),
         "<= 2x baseline".into(),
     ));
     Ok(())

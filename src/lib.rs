@@ -762,7 +762,9 @@
 //! own short transaction; [`Inbox::prune`] runs a whole pass, resting between steps so that consumers on the
 //! same file keep committing. Freed pages go back to the file system (`auto_vacuum=INCREMENTAL`, run in steps)
 //! and a pass ends with `wal_checkpoint(TRUNCATE)`. Steps commit without their own sync (a lost step is
-//! redone by the next pass; [`Pruning::sync_steps`] to sync each). The pruner copies the WAL back itself
+//! redone by the next pass; [`Pruning::sync_steps`] to sync each inside its commit, or
+//! [`Pruning::sync_after_steps`] to sync the WAL after each once the write lock is released: off by
+//! default, it did not lower a consumer's commit p99 where measured). The pruner copies the WAL back itself
 //! whenever a step leaves [`Pruning::checkpoint_pages`] (250) frames not yet copied: a PASSIVE checkpoint,
 //! and when the WAL has not started over by itself by twice that, a RESTART that copies the few frames
 //! consumers added meanwhile (holding the write lock for that, and for at most 10 ms more while readers

@@ -10,10 +10,11 @@
 
 #![allow(dead_code)]
 
+use std::cell::Cell;
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use edge_inbox::rusqlite::ffi;
 
@@ -26,13 +27,52 @@ static DB_BYTES: AtomicU64 = AtomicU64::new(0);
 static SYNCS: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
-    static THREAD_DB_BYTES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static THREAD_DB_BYTES: Cell<u64> = const { Cell::new(0) };
+    static THREAD_SYNC: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+    static THREAD_LOCK_WAIT: Cell<Duration> = const { Cell::new(Duration::ZERO) };
+    static THREAD_WAL_HEADERS: Cell<u64> = const { Cell::new(0) };
+    /// When this thread's current attempt at the write lock first found it taken.
+    static WAITING_SINCE: Cell<Option<Instant>> = const { Cell::new(None) };
 }
 
 /// Bytes this thread's SQLite calls wrote to database files (not WALs) through the VFS: a commit that writes
 /// any ran a checkpoint.
 pub fn thread_db_bytes() -> u64 {
     THREAD_DB_BYTES.with(|b| b.get())
+}
+
+/// What this thread's SQLite calls did so far, to break a commit's time down.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ThreadTimes {
+    /// Bytes written to database files (any: the commit ran a checkpoint).
+    pub db_bytes: u64,
+    /// Time in syncs of WAL and database files (the simulated delay included).
+    pub sync: Duration,
+    /// Time from the first refusal of the WAL's write lock to getting it (another connection held it).
+    pub lock_wait: Duration,
+    /// WAL headers written: the WAL started over, and SQLite synced the new header inside this commit.
+    pub wal_headers: u64,
+}
+
+impl ThreadTimes {
+    pub fn now() -> ThreadTimes {
+        ThreadTimes {
+            db_bytes: THREAD_DB_BYTES.with(Cell::get),
+            sync: THREAD_SYNC.with(Cell::get),
+            lock_wait: THREAD_LOCK_WAIT.with(Cell::get),
+            wal_headers: THREAD_WAL_HEADERS.with(Cell::get),
+        }
+    }
+
+    /// What happened since `earlier`.
+    pub fn since(self, earlier: ThreadTimes) -> ThreadTimes {
+        ThreadTimes {
+            db_bytes: self.db_bytes - earlier.db_bytes,
+            sync: self.sync - earlier.sync,
+            lock_wait: self.lock_wait - earlier.lock_wait,
+            wal_headers: self.wal_headers - earlier.wal_headers,
+        }
+    }
 }
 
 /// Name the VFS is registered under (also the default VFS once [`install`] ran).
@@ -137,10 +177,13 @@ impl wrap_vfs::Observer for Field {
         }
     }
 
-    fn write(&self, tag: usize, _off: u64, data: &[u8]) {
+    fn write(&self, tag: usize, off: u64, data: &[u8]) {
         let n = data.len() as u64;
         if tag == WAL {
             WAL_BYTES.fetch_add(n, Ordering::Relaxed);
+            if off == 0 {
+                THREAD_WAL_HEADERS.with(|h| h.set(h.get() + 1));
+            }
         } else {
             THREAD_DB_BYTES.with(|b| b.set(b.get() + n));
             DB_BYTES.fetch_add(n, Ordering::Relaxed);
@@ -148,10 +191,41 @@ impl wrap_vfs::Observer for Field {
     }
 
     fn sync(&self, _tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
+        let started = Instant::now();
         let rc = real();
         if rc == ffi::SQLITE_OK {
             SYNCS.fetch_add(1, Ordering::Relaxed);
             after_sync();
+        }
+        THREAD_SYNC.with(|t| t.set(t.get() + started.elapsed()));
+        rc
+    }
+
+    fn shm_lock(
+        &self,
+        _tag: usize,
+        offset: c_int,
+        _n: c_int,
+        flags: c_int,
+        real: &mut dyn FnMut() -> c_int,
+    ) -> c_int {
+        let rc = real();
+        // Slot 0 of the shared-memory index, taken exclusively, is the WAL's write lock.
+        if offset == 0 && flags == ffi::SQLITE_SHM_LOCK | ffi::SQLITE_SHM_EXCLUSIVE {
+            let now = Instant::now();
+            match rc {
+                ffi::SQLITE_OK => {
+                    if let Some(since) = WAITING_SINCE.with(|w| w.take()) {
+                        THREAD_LOCK_WAIT.with(|t| t.set(t.get() + (now - since)));
+                    }
+                }
+                ffi::SQLITE_BUSY => WAITING_SINCE.with(|w| {
+                    if w.get().is_none() {
+                        w.set(Some(now));
+                    }
+                }),
+                _ => {}
+            }
         }
         rc
     }

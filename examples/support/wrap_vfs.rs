@@ -29,6 +29,19 @@ pub trait Observer: Send + Sync + 'static {
         real()
     }
 
+    /// A lock on the shared-memory index of an observed database file (`xShmLock`): `real` takes or releases
+    /// it. What this returns is SQLite's result.
+    fn shm_lock(
+        &self,
+        _tag: usize,
+        _offset: c_int,
+        _n: c_int,
+        _flags: c_int,
+        real: &mut dyn FnMut() -> c_int,
+    ) -> c_int {
+        real()
+    }
+
     /// A file was deleted (or was already gone).
     fn delete(&self, _name: &str) {}
 
@@ -152,7 +165,12 @@ unsafe extern "C" fn x_shm_lock(
     n: c_int,
     flags: c_int,
 ) -> c_int {
-    forward!(f, xShmLock, off, n, flags)
+    match observed(f) {
+        Some((observer, tag)) => observer.shm_lock(tag, off, n, flags, &mut || {
+            forward!(f, xShmLock, off, n, flags)
+        }),
+        None => forward!(f, xShmLock, off, n, flags),
+    }
 }
 unsafe extern "C" fn x_shm_barrier(f: *mut ffi::sqlite3_file) {
     let r = file(f).real;

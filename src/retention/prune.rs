@@ -11,9 +11,11 @@ use crate::retention::{
     clock_floor, clock_verdict, load_rules, versioned_scope, Phase, PruneReport, Pruning,
     RetentionPolicy, RetentionState,
 };
+use crate::store::config::Synchronous;
 use crate::store::db::Db;
 use crate::store::error::{Error, Result};
 use crate::store::txn::{begin, commit, unix_now};
+use crate::store::wal_sync;
 
 use super::DAY;
 
@@ -77,7 +79,8 @@ impl Inbox {
     ///
     /// After its transaction, a step that left the WAL [`Pruning::checkpoint_pages`] long copies it back
     /// itself (PASSIVE, and RESTART when needed; [`PruneReport::checkpoints`]), so that consumers on the file
-    /// never reach their own automatic checkpoint while a pass runs.
+    /// never reach their own automatic checkpoint while a pass runs. With [`Pruning::sync_after_steps`] (at
+    /// [`Synchronous::Full`]), a step that wrote WAL frames first syncs the WAL itself, outside the lock.
     pub fn prune_step(&mut self, opts: &Pruning) -> Result<PruneReport> {
         let now = opts.as_of.unwrap_or_else(unix_now);
         let mut report = PruneReport {
@@ -90,11 +93,23 @@ impl Inbox {
         if !opts.sync_steps {
             self.conn.start_relaxed();
         }
+        let pages = wal_sync::pages_written(&self.conn);
         let result = self.prune_phase(opts, now, &mut report);
         let restored = self.conn.end_relaxed();
         result?;
         restored?;
-        self.retention.checkpoint_took = Duration::ZERO;
+        self.retention.unpaced = Duration::ZERO;
+        if opts.sync_after_steps
+            && !opts.sync_steps
+            && self.config.synchronous == Synchronous::Full
+            && wal_sync::pages_written(&self.conn) != pages
+        {
+            // The write lock is released: the step's frames reach the disk now, on this connection's time,
+            // not inside the next consumer's fsync of the WAL.
+            let started = std::time::Instant::now();
+            wal_sync::sync_wal(&self.conn)?;
+            self.retention.unpaced = started.elapsed();
+        }
         if opts.checkpoint_pages > 0
             && self.conn.wear.frames_not_copied() >= i64::from(opts.checkpoint_pages)
         {
@@ -109,7 +124,7 @@ impl Inbox {
                 self.config.busy_timeout,
             );
             report.checkpoints = self.conn.wear.checkpoints() - before;
-            self.retention.checkpoint_took = started.elapsed();
+            self.retention.unpaced += started.elapsed();
         }
         self.retention.pass.add(&report);
         if report.done {
@@ -153,9 +168,7 @@ impl Inbox {
             }
             // Leave the disk and the write lock to consumers most of the time: idle at least `idle` times as
             // long as the step took (its I/O competes with their fsyncs even after the lock is released).
-            let took = started
-                .elapsed()
-                .saturating_sub(self.retention.checkpoint_took);
+            let took = started.elapsed().saturating_sub(self.retention.unpaced);
             let rest = opts.pause.max(took * opts.idle);
             if !rest.is_zero() {
                 std::thread::sleep(rest);

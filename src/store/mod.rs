@@ -13,5 +13,6 @@ pub(crate) mod records;
 pub(crate) mod schema;
 pub(crate) mod state;
 pub(crate) mod txn;
+pub(crate) mod wal_sync;
 pub(crate) mod wal_watch;
 pub(crate) mod wear;
