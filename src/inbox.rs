@@ -82,7 +82,17 @@ impl Inbox {
         conn.path = path.to_owned();
         let threshold = i64::from(config.wal_autocheckpoint);
         let checkpointer = if config.checkpoint_thread && threshold > 0 {
-            Some(Checkpointer::start(path, &config, threshold)?)
+            match Checkpointer::start(path, &config, threshold) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    // The inbox works without it, as with `checkpoint_thread(false)`.
+                    log::warn!(
+                        "no checkpoint thread for {} ({e}): the automatic checkpoint runs in the commits",
+                        path.display()
+                    );
+                    None
+                }
+            }
         } else {
             None
         };

@@ -16,13 +16,15 @@ mod wrap_vfs;
 const VFS: &str = "edge-inbox-checkpoint-gate";
 const SCOPE: &str = "commands";
 
-/// Holds every sync of a main database file while closed. In WAL mode only a checkpoint syncs the database
-/// file, so a commit that had to wait here is one that ran a checkpoint.
+/// While closed, holds every sync of the database file (in WAL mode only a checkpoint syncs it, so a commit
+/// that had to wait here ran a checkpoint), and every sync of the WAL by a thread other than the writer's (a
+/// checkpoint begins by syncing the WAL; the writer's commits sync it too, and go through).
 #[derive(Default)]
 struct Gate {
     closed: Mutex<bool>,
     cv: Condvar,
     waiting: AtomicUsize,
+    writer: Mutex<Option<std::thread::ThreadId>>,
 }
 
 static GATE: std::sync::OnceLock<Arc<Gate>> = std::sync::OnceLock::new();
@@ -32,12 +34,20 @@ static GATED_DIR: Mutex<Option<String>> = Mutex::new(None);
 impl wrap_vfs::Observer for Arc<Gate> {
     fn open(&self, name: Option<&str>, flags: c_int) -> Option<usize> {
         let dir = GATED_DIR.lock().unwrap().clone()?;
-        (flags & ffi::SQLITE_OPEN_MAIN_DB != 0 && name?.starts_with(&dir)).then_some(0)
+        if !name?.starts_with(&dir) {
+            return None;
+        }
+        if flags & ffi::SQLITE_OPEN_MAIN_DB != 0 {
+            Some(0)
+        } else {
+            (flags & ffi::SQLITE_OPEN_WAL != 0).then_some(1)
+        }
     }
 
-    fn sync(&self, _tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
+    fn sync(&self, tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
+        let by_writer = *self.writer.lock().unwrap() == Some(std::thread::current().id());
         let mut closed = self.closed.lock().unwrap();
-        if *closed {
+        if *closed && (tag == 0 || !by_writer) {
             self.waiting.fetch_add(1, Ordering::SeqCst);
             while *closed {
                 closed = self.cv.wait(closed).unwrap();
@@ -74,36 +84,51 @@ fn deliver(inbox: &mut Inbox, i: usize) {
         .unwrap();
 }
 
-/// With the database file's syncs held, and so every checkpoint stuck in its last step, a writer still
-/// commits far past its threshold: none of its commits runs the checkpoint. Failed with
-/// `checkpoint_thread(false)`: the first commit past the threshold waited at the gate.
+/// With the gate closed, a checkpoint stays in its first sync (of the WAL, on the thread) or its last (of the
+/// database file, in a commit). A writer commits just past its threshold and returns while a checkpoint is
+/// held: none of its commits ran it. Failed with `checkpoint_thread(false)`: the commit that crossed the
+/// threshold stayed at the gate. (The writer stops below twice the threshold, where a commit would wait for
+/// the thread's RESTART, which holds the write lock through its syncs.)
 #[test]
 fn a_commit_past_the_threshold_does_not_wait_for_the_checkpoint() {
+    const THRESHOLD: u64 = 100;
     let gate = gate();
     let dir = tempfile::tempdir().unwrap();
     *GATED_DIR.lock().unwrap() = Some(dir.path().to_string_lossy().into_owned());
     let path = dir.path().join("inbox.db");
-    let mut inbox = Inbox::open(&path, Config::default().vfs(VFS).wal_autocheckpoint(20)).unwrap();
+    let wal = dir.path().join("inbox.db-wal");
+    let config = Config::default()
+        .vfs(VFS)
+        .wal_autocheckpoint(THRESHOLD as u32);
+    let mut inbox = Inbox::open(&path, config).unwrap();
     gate.set(true);
     let done = Arc::new(AtomicBool::new(false));
     let d = done.clone();
+    let g = gate.clone();
     let writer = std::thread::spawn(move || {
-        // Each commit appends a few frames: 200 of them cross the threshold of 20 many times over.
-        for i in 0..200 {
+        *g.writer.lock().unwrap() = Some(std::thread::current().id());
+        // Frames in the WAL, from its size: it has not started over yet, so the file is exactly its frames.
+        let frames =
+            || std::fs::metadata(&wal).map_or(0, |m| m.len().saturating_sub(32) / (4096 + 24));
+        let mut i = 0;
+        while frames() < THRESHOLD + 5 && i < 1000 {
             deliver(&mut inbox, i);
+            i += 1;
         }
         d.store(true, Ordering::SeqCst);
-        inbox
+        (inbox, frames())
     });
     // Bounded: a writer held at the gate would never finish.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !done.load(Ordering::SeqCst) && Instant::now() < deadline {
+    while !(done.load(Ordering::SeqCst) && gate.waiting.load(Ordering::SeqCst) >= 1)
+        && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(10));
     }
     let finished = done.load(Ordering::SeqCst);
     let held = gate.waiting.load(Ordering::SeqCst);
     gate.set(false);
-    let mut inbox = writer.join().unwrap();
+    let (mut inbox, frames) = writer.join().unwrap();
     *GATED_DIR.lock().unwrap() = None;
     assert!(
         finished,
@@ -111,11 +136,15 @@ fn a_commit_past_the_threshold_does_not_wait_for_the_checkpoint() {
     );
     assert!(
         held >= 1,
-        "no checkpoint was running while the writer committed: the test saw nothing"
+        "no checkpoint was held at the gate: the test saw nothing"
+    );
+    assert!(
+        frames < 2 * THRESHOLD,
+        "{frames} frames: the writer went too far"
     );
     // Once let go, the checkpoint completes and its bytes are counted (taken over by a later commit).
     let deadline = Instant::now() + Duration::from_secs(60);
-    let mut i = 200;
+    let mut i = 1000;
     while inbox.bytes_written().unwrap().checkpoint_bytes == 0 && Instant::now() < deadline {
         deliver(&mut inbox, i);
         i += 1;
@@ -148,4 +177,33 @@ fn the_wal_starts_over_beside_a_writer_that_never_pauses() {
         "the WAL file is {wal} bytes after {written} bytes were written to it: it did not start over"
     );
     assert!(inbox.bytes_written().unwrap().checkpoint_bytes > 0);
+}
+
+/// The thread copies back what the commits' own checkpoints would, not more: each WAL frame once, then the
+/// next request only once another threshold of frames is not yet copied. (A first version took a copy of
+/// the whole WAL as the WAL starting over, and checkpointed after almost every commit between one and two
+/// thresholds: 6.2 times the database-file bytes.)
+#[test]
+fn the_thread_copies_back_no_more_than_the_commits_own_checkpoints_would() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut copied = Vec::new();
+    for thread in [false, true] {
+        let path = dir.path().join(format!("inbox-{thread}.db"));
+        let config = Config::default()
+            .wal_autocheckpoint(100)
+            .checkpoint_thread(thread);
+        let mut inbox = Inbox::open(&path, config).unwrap();
+        for i in 0..1500 {
+            deliver(&mut inbox, i);
+        }
+        let w = inbox.bytes_written().unwrap();
+        assert!(w.checkpoint_bytes > 0, "thread {thread}: {w:?}");
+        copied.push(w.checkpoint_bytes);
+    }
+    let (in_commits, by_thread) = (copied[0], copied[1]);
+    assert!(
+        by_thread <= 2 * in_commits,
+        "the thread copied {by_thread} bytes into the database file where the commits' own checkpoints \
+         copied {in_commits}"
+    );
 }

@@ -49,6 +49,9 @@ pub(crate) struct Shared {
     backfilled: AtomicI64,
     /// WAL length (frames) at which a commit waits for a RESTART; 0 until the first commit sets it.
     restart_at: AtomicI64,
+    /// Times the hook saw the WAL start over: the thread's figures from a checkpoint of an earlier WAL are
+    /// dropped instead of stored over the new one's.
+    generation: AtomicU64,
     /// Bytes copied into the database file and not yet taken by the committing connection's counters.
     copied: AtomicU64,
 }
@@ -79,6 +82,7 @@ impl Shared {
     pub(crate) fn after_commit(&self, frames: i64, restarted: bool, threshold: i64) {
         let restart_at = self.restart_at.load(Ordering::Relaxed);
         if restarted || restart_at == 0 {
+            self.generation.fetch_add(1, Ordering::AcqRel);
             self.backfilled.store(0, Ordering::Relaxed);
             self.restart_at
                 .store(threshold.saturating_mul(2), Ordering::Relaxed);
@@ -141,12 +145,17 @@ impl Checkpointer {
     /// which set how the checkpoint syncs) and starts the thread. `threshold` is the WAL hook's.
     pub(crate) fn start(path: &Path, config: &Config, threshold: i64) -> Result<Checkpointer> {
         let conn = crate::store::schema::open_for_checkpoints(path, config)?;
+        // Opened with the configured busy timeout; from now on it only checkpoints, and a RESTART holds the
+        // write lock while its busy handler waits for readers.
         install_busy_handler(&conn, RESTART_WAIT).map_err(crate::store::error::Error::from)?;
+        let page_size = conn
+            .query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))
+            .map_or(4096, |p| p.max(512) as u64);
         let shared = Arc::new(Shared::default());
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name("edge-inbox-checkpoint".into())
-            .spawn(move || run(conn, &s, threshold))
+            .spawn(move || run(conn, &s, threshold, page_size))
             .map_err(|e| crate::store::error::Error::Open {
                 path: path.to_owned(),
                 source: e,
@@ -175,7 +184,10 @@ impl Drop for Checkpointer {
     }
 }
 
-fn run(conn: Connection, shared: &Shared, threshold: i64) {
+fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
+    // Frames of the current WAL this thread had copied back, to count what a checkpoint adds where the
+    // kernel does not report the bytes written.
+    let mut copied_before = (0u64, 0i64);
     loop {
         let restart = {
             let mut w = shared.wake.lock().unwrap_or_else(|p| p.into_inner());
@@ -192,6 +204,7 @@ fn run(conn: Connection, shared: &Shared, threshold: i64) {
         };
         // Commits from now on may ask again.
         shared.requested.store(false, Ordering::Release);
+        let generation = shared.generation.load(Ordering::Acquire);
         let before = thread_write_bytes();
         // SAFETY: the thread's own open connection, outside any statement.
         let db = unsafe { conn.handle() };
@@ -201,21 +214,30 @@ fn run(conn: Connection, shared: &Shared, threshold: i64) {
             ffi::SQLITE_CHECKPOINT_PASSIVE
         };
         let (rc, log, done) = checkpoint(db, mode);
-        if restart && rc != ffi::SQLITE_OK {
+        // Only while the WAL is still the one checkpointed (the hook resets both when it starts over).
+        let same_wal = shared.generation.load(Ordering::Acquire) == generation;
+        if restart && rc != ffi::SQLITE_OK && same_wal {
             shared
                 .restart_at
                 .store(log.max(threshold) + threshold, Ordering::Relaxed);
         }
         if done > 0 {
-            // All copied: the next write starts the WAL over.
-            shared
-                .backfilled
-                .store(if done >= log { 0 } else { done }, Ordering::Relaxed);
-            if let (Some(b), Some(a)) = (before, thread_write_bytes()) {
-                shared
-                    .copied
-                    .fetch_add(a.saturating_sub(b), Ordering::AcqRel);
+            if same_wal {
+                // Even when all was copied: commits that land meanwhile keep the WAL from starting over, and
+                // what they add must reach the threshold again before the next request.
+                shared.backfilled.store(done, Ordering::Relaxed);
             }
+            let frames_before = if copied_before.0 == generation {
+                copied_before.1
+            } else {
+                0
+            };
+            copied_before = (generation, done);
+            let bytes = match (before, thread_write_bytes()) {
+                (Some(b), Some(a)) => a.saturating_sub(b),
+                _ => (done - frames_before).max(0) as u64 * page_size,
+            };
+            shared.copied.fetch_add(bytes, Ordering::AcqRel);
         }
         if restart {
             let mut w = shared.wake.lock().unwrap_or_else(|p| p.into_inner());

@@ -138,8 +138,10 @@ impl Config {
     /// never pauses keeps the WAL from starting over (a commit lands during every copy): once it is twice
     /// the threshold long, the commit that finds it so waits, after committing, while the thread runs a
     /// RESTART (the frames added since its last copy and two syncs, waiting 10 ms at most for readers). The
-    /// thread sleeps until a commit asks, and is stopped when the inbox is dropped. `false` keeps one
-    /// connection and no thread, SQLite's own behaviour.
+    /// thread sleeps until a commit asks, and is stopped when the inbox is dropped. A [`Config::vfs`] serves
+    /// both connections, from two threads. If the second connection cannot be opened, the inbox logs a
+    /// warning and checkpoints in the commits. `false` keeps one connection and no thread, SQLite's own
+    /// behaviour.
     pub fn checkpoint_thread(mut self, on: bool) -> Self {
         self.checkpoint_thread = on;
         self

@@ -210,6 +210,7 @@ pub(crate) fn open_for_checkpoints(path: &Path, config: &Config) -> Result<Conne
         Some(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs.as_str()),
     }
     .map_err(|e| classify_open(e, path))?;
+    install_busy_handler(&conn, config.busy_timeout).map_err(Error::from)?;
     apply_settings(&conn, config)?;
     // Reads the schema, which opens the WAL and its index for the checkpoints.
     conn.query_row("SELECT count(*) FROM sqlite_master", [], |r| {

@@ -69,6 +69,9 @@ pub(crate) fn commit(conn: &Db) -> Result<()> {
 /// unlinked file, which a crash would take with it. Copy it all into the database file (a FULL checkpoint,
 /// fsynced) before reporting success; if that cannot be done, the outcome is not durable: `CommitUnknown`.
 /// Unless the database file has gone from its path too: then nothing can be durable (`DatabaseGone`).
+/// How long the rescue retries a checkpoint that found the checkpoint lock taken.
+const RESCUE_BUSY_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 #[cold]
 fn rescue_unlinked_wal(conn: &Db) -> Result<()> {
     // Closing must not delete by name the WAL and index another connection may have created there since.
@@ -80,13 +83,23 @@ fn rescue_unlinked_wal(conn: &Db) -> Result<()> {
             Some(why.to_owned()),
         ),
     };
-    let result = conn.query_row("PRAGMA wal_checkpoint(FULL)", [], |r| {
-        Ok((
-            r.get::<_, i64>(0)?,
-            r.get::<_, i64>(1)?,
-            r.get::<_, i64>(2)?,
-        ))
-    });
+    let checkpoint = || {
+        conn.query_row("PRAGMA wal_checkpoint(FULL)", [], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, i64>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
+        })
+    };
+    // The inbox's checkpoint thread may hold the checkpoint lock for its own copy (SQLite then answers BUSY
+    // at once, without the busy handler): that copy ends within a few syncs.
+    let deadline = std::time::Instant::now() + RESCUE_BUSY_WAIT;
+    let mut result = checkpoint();
+    while matches!(result, Ok((1, _, _))) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        result = checkpoint();
+    }
     match result {
         Ok((0, log, done)) if log == done => {
             if conn.database_moved() {
