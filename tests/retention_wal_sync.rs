@@ -248,3 +248,59 @@ fn the_pruners_wal_sync_runs_outside_the_write_lock() {
     begun.expect("another connection took the write lock while the pruner synced the WAL");
     other.execute_batch("ROLLBACK").unwrap();
 }
+
+/// Once the pruner's checkpoint has copied the WAL back, the next write starts the WAL over and syncs its
+/// new header inside its commit. That write is the pruner's own next step, which runs the checkpoint the
+/// previous step left due right before its transaction: a consumer committing between two steps (during
+/// the pruner's rest) never starts the WAL over, so never pays that sync. Failed when the checkpoint ran at
+/// the end of the step, before the rest: the consumer's next commit started the WAL over after nearly every
+/// checkpoint.
+#[test]
+fn a_consumer_committing_between_prune_steps_never_starts_the_wal_over() {
+    register();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    old_file(&path, 4_000);
+    let mut pruner = Inbox::open(&path, watched(Synchronous::Full)).unwrap();
+    let mut consumer = Inbox::open(&path, watched(Synchronous::Full)).unwrap();
+    let opts = Pruning::default();
+    let noop =
+        |_: &mut edge_inbox::Tx<'_>, _: &edge_inbox::Delivery<'_>| -> anyhow::Result<()> { Ok(()) };
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let (mut commits, mut by_consumer, mut by_pruner, mut checkpoints) = (0u64, 0u64, 0u64, 0u64);
+    loop {
+        assert!(Instant::now() < deadline, "the pass did not finish in time");
+        let h = WAL_HEADERS.with(Cell::get);
+        let report = pruner.prune_step(&opts).unwrap();
+        by_pruner += WAL_HEADERS.with(Cell::get) - h;
+        checkpoints += report.checkpoints;
+        if report.done {
+            break;
+        }
+        for _ in 0..4 {
+            let id = format!("new-{commits}");
+            let h = WAL_HEADERS.with(Cell::get);
+            consumer
+                .process(
+                    &edge_inbox::Delivery::new("consumer", &id, "orders", b"{}"),
+                    noop,
+                )
+                .unwrap();
+            by_consumer += WAL_HEADERS.with(Cell::get) - h;
+            commits += 1;
+        }
+    }
+    assert!(
+        checkpoints >= 5,
+        "{checkpoints} pruner checkpoints: the test saw too few"
+    );
+    assert_eq!(
+        by_consumer, 0,
+        "of {commits} consumer commits between the steps, {by_consumer} started the WAL over \
+         ({by_pruner} of the pruner's steps did, after {checkpoints} checkpoints)"
+    );
+    assert!(
+        by_pruner >= 5,
+        "the WAL started over {by_pruner} times in the pruner's steps"
+    );
+}
