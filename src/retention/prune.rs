@@ -77,10 +77,9 @@ impl Inbox {
     /// Pending and failed messages are never deleted, and an identity is deleted only once no stored message
     /// refers to it any more.
     ///
-    /// When the previous step left the WAL [`Pruning::checkpoint_pages`] long, a step first copies it back
+    /// After its transaction, a step that left the WAL [`Pruning::checkpoint_pages`] long copies it back
     /// itself (PASSIVE, and RESTART when needed; [`PruneReport::checkpoints`]), so that consumers on the file
-    /// never reach their own automatic checkpoint while a pass runs; then its own transaction is the write
-    /// that starts the WAL over, and a consumer's commit during the rest that follows is not. With [`Pruning::sync_after_steps`] (at
+    /// never reach their own automatic checkpoint while a pass runs. With [`Pruning::sync_after_steps`] (at
     /// [`Synchronous::Full`]), a step that wrote WAL frames first syncs the WAL itself, outside the lock.
     pub fn prune_step(&mut self, opts: &Pruning) -> Result<PruneReport> {
         let now = opts.as_of.unwrap_or_else(unix_now);
@@ -88,11 +87,29 @@ impl Inbox {
             steps: 1,
             ..PruneReport::default()
         };
-        // The checkpoint the previous step left due runs now, right before this step's transaction, and not
-        // after that step, before the rest: once the WAL is all copied back, the next write starts it over and
-        // syncs its new header inside its commit. Here that write is this step's, not a consumer's commit
-        // during the rest (1.6% of a consumer's commits during a prune were that extra sync).
-        let mut checkpointed = Duration::ZERO;
+        // A prune step need not survive a power loss (a lost step is redone by the next pass; WAL keeps the file
+        // consistent), so it skips the fsync and holds the write lock for less time. Consumers' own commits keep
+        // their configured durability, and their next fsync covers these frames too.
+        if !opts.sync_steps {
+            self.conn.start_relaxed();
+        }
+        let pages = wal_sync::pages_written(&self.conn);
+        let result = self.prune_phase(opts, now, &mut report);
+        let restored = self.conn.end_relaxed();
+        result?;
+        restored?;
+        self.retention.unpaced = Duration::ZERO;
+        if opts.sync_after_steps
+            && !opts.sync_steps
+            && self.config.synchronous == Synchronous::Full
+            && wal_sync::pages_written(&self.conn) != pages
+        {
+            // The write lock is released: the step's frames reach the disk now, on this connection's time,
+            // not inside the next consumer's fsync of the WAL.
+            let started = std::time::Instant::now();
+            wal_sync::sync_wal(&self.conn)?;
+            self.retention.unpaced = started.elapsed();
+        }
         if opts.checkpoint_pages > 0
             && self.conn.wear.frames_not_copied() >= i64::from(opts.checkpoint_pages)
         {
@@ -107,29 +124,6 @@ impl Inbox {
                 self.config.busy_timeout,
             );
             report.checkpoints = self.conn.wear.checkpoints() - before;
-            checkpointed = started.elapsed();
-        }
-        // A prune step need not survive a power loss (a lost step is redone by the next pass; WAL keeps the file
-        // consistent), so it skips the fsync and holds the write lock for less time. Consumers' own commits keep
-        // their configured durability, and their next fsync covers these frames too.
-        if !opts.sync_steps {
-            self.conn.start_relaxed();
-        }
-        let pages = wal_sync::pages_written(&self.conn);
-        let result = self.prune_phase(opts, now, &mut report);
-        let restored = self.conn.end_relaxed();
-        result?;
-        restored?;
-        self.retention.unpaced = checkpointed;
-        if opts.sync_after_steps
-            && !opts.sync_steps
-            && self.config.synchronous == Synchronous::Full
-            && wal_sync::pages_written(&self.conn) != pages
-        {
-            // The write lock is released: the step's frames reach the disk now, on this connection's time,
-            // not inside the next consumer's fsync of the WAL.
-            let started = std::time::Instant::now();
-            wal_sync::sync_wal(&self.conn)?;
             self.retention.unpaced += started.elapsed();
         }
         self.retention.pass.add(&report);
