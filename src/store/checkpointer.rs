@@ -7,12 +7,13 @@
 //! checkpoint on a connection of its own, which never writes. A PASSIVE checkpoint takes no lock a writer
 //! needs, so commits go on meanwhile. But the WAL only starts over at a write that begins once every frame
 //! is copied, and beside a writer committing every few milliseconds a commit nearly always lands during the
-//! copy; so once the WAL is twice the threshold long the commit that finds it so waits (after its own
-//! commit, holding no lock) while the thread runs a RESTART: the copy of the few frames added since the
-//! last checkpoint and two syncs, waiting [`RESTART_WAIT`] at most for readers. A writer that never pauses
-//! would otherwise take the write lock back before the RESTART could. That wait, once per two thresholds
-//! of WAL at most, is what is left in a commit of the checkpoint's cost, against a whole checkpoint once
-//! per threshold inside the commit.
+//! copy. So when a copy ends with commits added meanwhile, the commit that adds an eighth of a threshold
+//! more (or, failing that, leaves the WAL twice the threshold long) waits, after its own commit and
+//! holding no lock, while the thread runs a RESTART: the copy of those few frames and two syncs, waiting
+//! [`RESTART_WAIT`] at most for readers. A writer that never pauses would otherwise take the write lock
+//! back before the RESTART could. That wait, once per threshold of WAL, is what is left in a commit of the
+//! checkpoint's cost: two syncs, against two syncs and the copy of a whole threshold's pages inside the
+//! commit.
 //!
 //! The bytes it copied into the database file are handed to the committing connection's counters, which
 //! save them with their own ([`Wear::stage`](crate::store::wear::Wear::stage)).
@@ -49,6 +50,8 @@ pub(crate) struct Shared {
     backfilled: AtomicI64,
     /// WAL length (frames) at which a commit waits for a RESTART; 0 until the first commit sets it.
     restart_at: AtomicI64,
+    /// Frames in the WAL after the latest commit.
+    frames: AtomicI64,
     /// Times the hook saw the WAL start over: the thread's figures from a checkpoint of an earlier WAL are
     /// dropped instead of stored over the new one's.
     generation: AtomicU64,
@@ -74,12 +77,14 @@ impl Shared {
     /// since the hook last looked.
     ///
     /// Asks for a PASSIVE checkpoint when `threshold` frames are not yet copied: no lock unless it asks,
-    /// once until the thread takes the request. Once the WAL is twice the threshold long (a commit landed
-    /// during every copy, so it never started over), waits for the thread's RESTART: with this writer
-    /// waiting here the write lock is free, whereas a writer that never pauses would take it back before
-    /// the RESTART's busy handler looked again. A RESTART that fails (a reader it cannot wait out, another
-    /// writer) is asked for again only after `threshold` more frames.
+    /// once until the thread has finished that checkpoint. Once the WAL reaches the RESTART point (an
+    /// eighth of a threshold past the end of a copy that commits outran, twice the threshold at most),
+    /// waits for the thread's RESTART: with this writer waiting here the write lock is free, whereas a
+    /// writer that never pauses would take it back before the RESTART's busy handler looked again. A
+    /// RESTART that fails (a reader it cannot wait out, another writer) is asked for again only after
+    /// `threshold` more frames.
     pub(crate) fn after_commit(&self, frames: i64, restarted: bool, threshold: i64) {
+        self.frames.store(frames, Ordering::Relaxed);
         let restart_at = self.restart_at.load(Ordering::Relaxed);
         if restarted || restart_at == 0 {
             self.generation.fetch_add(1, Ordering::AcqRel);
@@ -202,8 +207,6 @@ fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
             w.due = false;
             w.restart
         };
-        // Commits from now on may ask again.
-        shared.requested.store(false, Ordering::Release);
         let generation = shared.generation.load(Ordering::Acquire);
         let before = thread_write_bytes();
         // SAFETY: the thread's own open connection, outside any statement.
@@ -220,6 +223,15 @@ fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
             shared
                 .restart_at
                 .store(log.max(threshold) + threshold, Ordering::Relaxed);
+        }
+        let now = shared.frames.load(Ordering::Relaxed);
+        if !restart && same_wal && done > 0 && now > done {
+            // Commits landed during the copy, so the WAL will not start over by itself: the commit that adds
+            // an eighth of a threshold more waits for a RESTART, which then copies only those few frames
+            // under the write lock, not a whole threshold's worth.
+            shared
+                .restart_at
+                .store(now + (threshold / 8).max(1), Ordering::Relaxed);
         }
         if done > 0 {
             if same_wal {
@@ -239,6 +251,8 @@ fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
             };
             shared.copied.fetch_add(bytes, Ordering::AcqRel);
         }
+        // Commits from now on may ask again (not during the copy: they would ask for its tail at once).
+        shared.requested.store(false, Ordering::Release);
         if restart {
             let mut w = shared.wake.lock().unwrap_or_else(|p| p.into_inner());
             w.restart = false;

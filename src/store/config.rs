@@ -135,9 +135,9 @@ impl Config {
     /// twice before it returns: on an SD card or eMMC whose sync takes 5 ms that is 40-60 ms, paid by the
     /// delivery and by every delivery waiting behind it (the tail of a consumer's latency). On the thread,
     /// commits go on while it copies (a PASSIVE checkpoint takes no lock a writer needs). A writer that
-    /// never pauses keeps the WAL from starting over (a commit lands during every copy): once it is twice
-    /// the threshold long, the commit that finds it so waits, after committing, while the thread runs a
-    /// RESTART (the frames added since its last copy and two syncs, waiting 10 ms at most for readers). The
+    /// never pauses keeps the WAL from starting over (a commit lands during every copy): soon after such a
+    /// copy, one commit waits, after committing, while the thread runs a RESTART (the few frames added
+    /// since the copy and two syncs, waiting 10 ms at most for readers). The
     /// thread sleeps until a commit asks, and is stopped when the inbox is dropped. A [`Config::vfs`] serves
     /// both connections, from two threads. If the second connection cannot be opened, the inbox logs a
     /// warning and checkpoints in the commits. `false` keeps one connection and no thread, SQLite's own
