@@ -3,46 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use edge_inbox::{Config, Delivery, Inbox, Pruning, RetentionPolicy, Synchronous, Tx};
+use edge_inbox::{Config, Delivery, Inbox, Pruning, Tx};
 
 mod common;
 
 const SCOPE: &str = "history";
-
-/// A file holding `n` old processed messages with their identities, due for payload pruning.
-fn old_file(path: &std::path::Path, n: usize) {
-    let mut setup = Inbox::open(path, Config::default().synchronous(Synchronous::Normal)).unwrap();
-    setup
-        .set_retention(
-            SCOPE,
-            &RetentionPolicy::new().processed_payloads(Duration::from_secs(3_600)),
-        )
-        .unwrap();
-    let scope_id = setup.scope_id(SCOPE).unwrap();
-    setup.scope_id("consumer").unwrap();
-    let conn = setup.connection();
-    conn.execute_batch("BEGIN").unwrap();
-    {
-        let mut msg = conn
-            .prepare(
-                "INSERT INTO messages (scope_id, id_hash, message_id, topic, payload, state, received_at, \
-                 finished_at) VALUES (?1, ?2, ?3, 'orders', zeroblob(120), 1, 0, 0)",
-            )
-            .unwrap();
-        let mut ident = conn
-            .prepare("INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, 0, 0)")
-            .unwrap();
-        for i in 0..n {
-            let id = format!("evt-{i:010}-xxxxxxxx");
-            let h = setup.id_hash(None, &id);
-            msg.execute((scope_id, &h.0[..], &id)).unwrap();
-            ident.execute((scope_id, &h.0[..])).unwrap();
-        }
-    }
-    conn.execute_batch("COMMIT").unwrap();
-    conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
-        .unwrap();
-}
 
 fn noop(_: &mut Tx<'_>, _: &Delivery<'_>) -> anyhow::Result<()> {
     Ok(())
@@ -56,7 +21,7 @@ fn a_consumer_never_checkpoints_while_a_prune_runs() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
     let n = common::scaled(20_000);
-    old_file(&path, n);
+    common::old_processed_file(&path, SCOPE, n);
 
     let mut consumer = Inbox::open(&path, Config::default()).unwrap();
     let mut pruner = Inbox::open(&path, Config::default()).unwrap();
@@ -121,7 +86,7 @@ fn the_wal_stays_below_the_consumers_threshold_while_a_prune_runs_beside_it() {
     let path = dir.path().join("inbox.db");
     let wal = dir.path().join("inbox.db-wal");
     let n = common::scaled(20_000);
-    old_file(&path, n);
+    common::old_processed_file(&path, SCOPE, n);
 
     let done = Arc::new(AtomicBool::new(false));
     let commits = Arc::new(AtomicU64::new(0));
@@ -181,7 +146,7 @@ fn the_wal_stays_below_the_consumers_threshold_while_a_prune_runs_beside_it() {
 fn a_long_reader_does_not_make_the_pruners_restart_hold_the_write_lock_for_the_busy_timeout() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
-    old_file(&path, 2_000);
+    common::old_processed_file(&path, SCOPE, 2_000);
     let config = Config::default().busy_timeout(Duration::from_secs(30));
     let mut pruner = Inbox::open(&path, config.clone()).unwrap();
     let mut consumer = Inbox::open(&path, config).unwrap();

@@ -10,8 +10,9 @@ use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
 use edge_inbox::rusqlite::ffi;
-use edge_inbox::{Config, Inbox, Pruning, RetentionPolicy, Synchronous};
+use edge_inbox::{Config, Inbox, Pruning, Synchronous};
 
+mod common;
 #[path = "../examples/support/wrap_vfs.rs"]
 mod wrap_vfs;
 
@@ -73,40 +74,6 @@ fn watched(sync: Synchronous) -> Config {
     Config::default().vfs(VFS).synchronous(sync)
 }
 
-/// A file holding `n` old processed messages with their identities, due for payload pruning.
-fn old_file(path: &std::path::Path, n: usize) {
-    let mut setup = Inbox::open(path, Config::default().synchronous(Synchronous::Normal)).unwrap();
-    setup
-        .set_retention(
-            SCOPE,
-            &RetentionPolicy::new().processed_payloads(Duration::from_secs(3_600)),
-        )
-        .unwrap();
-    let scope_id = setup.scope_id(SCOPE).unwrap();
-    let conn = setup.connection();
-    conn.execute_batch("BEGIN").unwrap();
-    {
-        let mut msg = conn
-            .prepare(
-                "INSERT INTO messages (scope_id, id_hash, message_id, topic, payload, state, received_at, \
-                 finished_at) VALUES (?1, ?2, ?3, 'orders', zeroblob(120), 1, 0, 0)",
-            )
-            .unwrap();
-        let mut ident = conn
-            .prepare("INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, 0, 0)")
-            .unwrap();
-        for i in 0..n {
-            let id = format!("evt-{i:010}-xxxxxxxx");
-            let h = setup.id_hash(None, &id);
-            msg.execute((scope_id, &h.0[..], &id)).unwrap();
-            ident.execute((scope_id, &h.0[..])).unwrap();
-        }
-    }
-    conn.execute_batch("COMMIT").unwrap();
-    conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
-        .unwrap();
-}
-
 /// What one step did to the WAL on its thread.
 struct Step {
     written: u64,
@@ -147,7 +114,7 @@ fn every_prune_step_that_wrote_the_wal_syncs_it_on_the_pruners_connection() {
     register();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
-    old_file(&path, 2_000);
+    common::old_processed_file(&path, SCOPE, 2_000);
     let mut pruner = Inbox::open(&path, watched(Synchronous::Full)).unwrap();
     let steps = pass(&mut pruner, &Pruning::default().sync_after_steps(SYNC));
     let pruned: u64 = steps.iter().map(|s| s.report.payloads_pruned).sum();
@@ -177,7 +144,7 @@ fn a_pruner_at_synchronous_normal_adds_no_sync_to_its_steps() {
     register();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
-    old_file(&path, 1_000);
+    common::old_processed_file(&path, SCOPE, 1_000);
     let mut pruner = Inbox::open(&path, watched(Synchronous::Normal)).unwrap();
     let steps = pass(&mut pruner, &Pruning::default().sync_after_steps(SYNC));
     let synced_without_checkpoint = steps
@@ -199,7 +166,7 @@ fn the_pruners_wal_sync_runs_outside_the_write_lock() {
     register();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
-    old_file(&path, 500);
+    common::old_processed_file(&path, SCOPE, 500);
     let (events, received) = mpsc::channel();
     let (release, released) = mpsc::channel();
     let pruner = {

@@ -99,3 +99,41 @@ pub fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Optio
 pub fn wait_for_file(path: &Path, timeout: Duration) -> bool {
     wait_for(timeout, || path.exists().then_some(())).is_some()
 }
+
+/// A file holding `n` old processed messages of `scope` with their identities, due for payload pruning
+/// (retention keeps processed payloads for an hour there), and a scope `consumer` for a consumer beside the
+/// pruner.
+pub fn old_processed_file(path: &Path, scope: &str, n: usize) {
+    use edge_inbox::{Config, Inbox, RetentionPolicy, Synchronous};
+    let mut setup = Inbox::open(path, Config::default().synchronous(Synchronous::Normal)).unwrap();
+    setup
+        .set_retention(
+            scope,
+            &RetentionPolicy::new().processed_payloads(Duration::from_secs(3_600)),
+        )
+        .unwrap();
+    let scope_id = setup.scope_id(scope).unwrap();
+    setup.scope_id("consumer").unwrap();
+    let conn = setup.connection();
+    conn.execute_batch("BEGIN").unwrap();
+    {
+        let mut msg = conn
+            .prepare(
+                "INSERT INTO messages (scope_id, id_hash, message_id, topic, payload, state, received_at, \
+                 finished_at) VALUES (?1, ?2, ?3, 'orders', zeroblob(120), 1, 0, 0)",
+            )
+            .unwrap();
+        let mut ident = conn
+            .prepare("INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, 0, 0)")
+            .unwrap();
+        for i in 0..n {
+            let id = format!("evt-{i:010}-xxxxxxxx");
+            let h = setup.id_hash(None, &id);
+            msg.execute((scope_id, &h.0[..], &id)).unwrap();
+            ident.execute((scope_id, &h.0[..])).unwrap();
+        }
+    }
+    conn.execute_batch("COMMIT").unwrap();
+    conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+        .unwrap();
+}
