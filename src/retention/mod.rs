@@ -422,8 +422,8 @@ impl Pruning {
     /// consumer committing one delivery at a time, the consumer's commit p99 during a prune was the same
     /// with and without it (1,000,000 rows, fast disk: 4.76 against 4.47 ms; 100,000 rows at 5 ms syncs:
     /// 23.6 and 25.4 against 23.9 and 21.2 ms), while the pruner synced the WAL once more per step (more
-    /// flash wear on a card) and the prune took up to 15% longer (not in every run). It may help on storage whose sync time grows with
-    /// the pages it flushes, which the measurements did not model.
+    /// flash wear on a card) and the prune took up to 15% longer (not in every run). It may help on
+    /// storage whose sync time grows with the pages it flushes, which the measurements did not model.
     pub fn sync_after_steps(mut self, sync: bool) -> Self {
         self.sync_after_steps = sync;
         self
