@@ -379,7 +379,8 @@
 //!
 //! Everything between a received PUBLISH and its PUBACK is one piece of code, [`ConsumerCore`]: identity
 //! extraction, limits and quarantine, group commit, handler retries and dead letters, storage retries,
-//! acks in arrival order, connection epochs. It owns no socket and no thread, like quinn-proto under quinn;
+//! acks in arrival order, connection epochs. It owns no socket and no thread, like quinn-proto under quinn
+//! (its [`Inbox`] keeps the checkpoint thread of [`Config::checkpoint_thread`], which only copies the WAL);
 //! [`Consumer`] is that core plus a connection of its own, and a firmware that already holds the one MQTT
 //! connection its cloud allows drives the same core from its own event loop. The names:
 //!
@@ -449,8 +450,8 @@
 //! broker's keep-alive with it), a stop that disconnects before the commit thread has queued its last
 //! acks leaves committed deliveries unacked, and a dropped future must not leave a consumer running. The
 //! loop that polls the event loop stays the application's own, since it also carries telemetry, other
-//! subscriptions and its reconnect policy; the crate opens no second connection and starts no runtime for
-//! it.
+//! subscriptions and its reconnect policy; the crate opens no second MQTT connection and starts no runtime
+//! for it.
 //!
 //! ```no_run
 //! # #[cfg(feature = "tokio")]
