@@ -35,12 +35,6 @@ thread_local! {
     static WAITING_SINCE: Cell<Option<Instant>> = const { Cell::new(None) };
 }
 
-/// Bytes this thread's SQLite calls wrote to database files (not WALs) through the VFS: a commit that writes
-/// any ran a checkpoint.
-pub fn thread_db_bytes() -> u64 {
-    THREAD_DB_BYTES.with(|b| b.get())
-}
-
 /// What this thread's SQLite calls did so far, to break a commit's time down.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ThreadTimes {

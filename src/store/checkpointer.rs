@@ -153,9 +153,7 @@ impl Checkpointer {
         // Opened with the configured busy timeout; from now on it only checkpoints, and a RESTART holds the
         // write lock while its busy handler waits for readers.
         install_busy_handler(&conn, RESTART_WAIT).map_err(crate::store::error::Error::from)?;
-        let page_size = conn
-            .query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))
-            .map_or(4096, |p| p.max(512) as u64);
+        let page_size = page_size(&conn);
         let shared = Arc::new(Shared::default());
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -216,7 +214,11 @@ fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
         } else {
             ffi::SQLITE_CHECKPOINT_PASSIVE
         };
-        let (rc, log, done) = checkpoint(db, mode);
+        // SAFETY: the thread's own open handle, and SQLite's name of the main schema.
+        let (rc, log, done) = unsafe { wal_checkpoint(db, c"main".as_ptr(), mode) };
+        if rc != ffi::SQLITE_OK && rc != ffi::SQLITE_BUSY {
+            log::debug!("background checkpoint failed (SQLite code {rc})");
+        }
         // Only while the WAL is still the one checkpointed (the hook resets both when it starts over).
         let same_wal = shared.generation.load(Ordering::Acquire) == generation;
         if restart && rc != ffi::SQLITE_OK && same_wal {
@@ -245,11 +247,10 @@ fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
                 0
             };
             copied_before = (generation, done);
-            let bytes = match (before, thread_write_bytes()) {
-                (Some(b), Some(a)) => a.saturating_sub(b),
-                _ => (done - frames_before).max(0) as u64 * page_size,
-            };
-            shared.copied.fetch_add(bytes, Ordering::AcqRel);
+            shared.copied.fetch_add(
+                bytes_copied(before, done - frames_before, page_size),
+                Ordering::AcqRel,
+            );
         }
         // Commits from now on may ask again (not during the copy: they would ask for its tail at once).
         shared.requested.store(false, Ordering::Release);
@@ -261,17 +262,36 @@ fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
     }
 }
 
-/// One checkpoint in `mode`: SQLite's result code, the frames in the WAL and the frames copied back. A
-/// RESTART that copied everything but could not wait out a reader reports BUSY: it still copied.
-fn checkpoint(db: *mut ffi::sqlite3, mode: std::ffi::c_int) -> (std::ffi::c_int, i64, i64) {
+/// One checkpoint of schema `name` in `mode`: SQLite's result code, the frames in the WAL and the frames
+/// copied back. A RESTART that copied everything but could not wait out a reader reports BUSY: it still
+/// copied.
+///
+/// # Safety
+/// `db` is a valid open handle used on its own thread outside a statement, `name` a schema name.
+pub(crate) unsafe fn wal_checkpoint(
+    db: *mut ffi::sqlite3,
+    name: *const std::ffi::c_char,
+    mode: std::ffi::c_int,
+) -> (std::ffi::c_int, i64, i64) {
     let (mut log, mut done) = (0, 0);
-    // SAFETY: a valid open handle used on its own thread, and SQLite's name of the main schema.
-    let rc =
-        unsafe { ffi::sqlite3_wal_checkpoint_v2(db, c"main".as_ptr(), mode, &mut log, &mut done) };
-    if rc != ffi::SQLITE_OK && rc != ffi::SQLITE_BUSY {
-        log::debug!("background checkpoint failed (SQLite code {rc})");
-    }
+    // SAFETY: per the caller.
+    let rc = unsafe { ffi::sqlite3_wal_checkpoint_v2(db, name, mode, &mut log, &mut done) };
     (rc, i64::from(log.max(0)), i64::from(done.max(0)))
+}
+
+/// Bytes a checkpoint wrote into the database file: the thread's `write_bytes` since `before`, or, where
+/// the kernel does not report it, the `frames` it copied back times the page size (an upper bound).
+pub(crate) fn bytes_copied(before: Option<u64>, frames: i64, page_size: u64) -> u64 {
+    match (before, thread_write_bytes()) {
+        (Some(b), Some(a)) => a.saturating_sub(b),
+        _ => frames.max(0) as u64 * page_size,
+    }
+}
+
+/// The connection's page size, for the byte counts.
+pub(crate) fn page_size(conn: &Connection) -> u64 {
+    conn.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))
+        .map_or(4096, |p| p.max(512) as u64)
 }
 
 /// Bytes this thread has caused to be written to storage (`write_bytes` of `/proc/thread-self/io`: page-cache

@@ -166,6 +166,17 @@ pub(crate) fn install_busy_handler(
     }
 }
 
+/// Opens `path` with `flags` through the configured VFS, with the configured busy timeout.
+fn connect(path: &Path, flags: OpenFlags, config: &Config) -> Result<Connection> {
+    let conn = match &config.vfs {
+        None => Connection::open_with_flags(path, flags),
+        Some(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs.as_str()),
+    }
+    .map_err(|e| classify_open(e, path))?;
+    install_busy_handler(&conn, config.busy_timeout).map_err(Error::from)?;
+    Ok(conn)
+}
+
 fn open_once(path: &Path, config: &Config) -> Result<Connection> {
     // Serialized where a thread of the connection's own may act on a deleted WAL while it is idle
     // (`store/db.rs`, `spawn_waiter`): SQLite's mutex then orders its calls with the owner's.
@@ -173,13 +184,7 @@ fn open_once(path: &Path, config: &Config) -> Result<Connection> {
     let threading = OpenFlags::SQLITE_OPEN_FULL_MUTEX;
     #[cfg(not(target_os = "linux"))]
     let threading = OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | threading;
-    let conn = match &config.vfs {
-        None => Connection::open_with_flags(path, flags),
-        Some(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs.as_str()),
-    }
-    .map_err(|e| classify_open(e, path))?;
-    install_busy_handler(&conn, config.busy_timeout).map_err(Error::from)?;
+    let conn = connect(path, OpenFlags::SQLITE_OPEN_READ_WRITE | threading, config)?;
     // Room for the core's statements plus a handler's own cached ones, so neither evicts the other.
     conn.set_prepared_statement_cache_capacity(64);
 
@@ -205,12 +210,7 @@ fn open_once(path: &Path, config: &Config) -> Result<Connection> {
 /// handler): it never writes a page, and syncs its checkpoints at the inbox's `synchronous` level.
 pub(crate) fn open_for_checkpoints(path: &Path, config: &Config) -> Result<Connection> {
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let conn = match &config.vfs {
-        None => Connection::open_with_flags(path, flags),
-        Some(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs.as_str()),
-    }
-    .map_err(|e| classify_open(e, path))?;
-    install_busy_handler(&conn, config.busy_timeout).map_err(Error::from)?;
+    let conn = connect(path, flags, config)?;
     apply_settings(&conn, config)?;
     // Reads the schema, which opens the WAL and its index for the checkpoints.
     conn.query_row("SELECT count(*) FROM sqlite_master", [], |r| {

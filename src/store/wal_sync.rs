@@ -12,21 +12,19 @@ use rusqlite::{ffi, Connection};
 
 use crate::store::error::{storage_error, Result};
 
-/// Pages this connection's pager has written so far (to the WAL, in WAL mode; wrapping at 2^31): the WAL
+/// Pages this connection's pager has written so far (to the WAL, in WAL mode; wrapping at 2^32): the WAL
 /// got new frames between two reads that differ.
-pub(crate) fn pages_written(conn: &Connection) -> i32 {
+pub(crate) fn pages_written(conn: &Connection) -> u32 {
+    // SAFETY: this open connection's handle.
+    pages_written_by(unsafe { conn.handle() })
+}
+
+/// [`pages_written`] from a raw handle (SQLite's WAL hook has no `Connection`): a field read, no system call.
+pub(crate) fn pages_written_by(db: *mut ffi::sqlite3) -> u32 {
     let (mut cur, mut high) = (0, 0);
-    // SAFETY: this open connection's handle; the out-pointers are locals.
-    unsafe {
-        ffi::sqlite3_db_status(
-            conn.handle(),
-            ffi::SQLITE_DBSTATUS_CACHE_WRITE,
-            &mut cur,
-            &mut high,
-            0,
-        )
-    };
-    cur
+    // SAFETY: a valid open handle; the out-pointers are locals.
+    unsafe { ffi::sqlite3_db_status(db, ffi::SQLITE_DBSTATUS_CACHE_WRITE, &mut cur, &mut high, 0) };
+    cur as u32
 }
 
 /// Syncs the WAL of the main database as SQLite's commit at `synchronous=FULL` would (`xSync` with the

@@ -19,8 +19,11 @@ use std::time::Duration;
 
 use rusqlite::{ffi, Connection};
 
-use crate::store::checkpointer::{thread_write_bytes, Shared, RESTART_WAIT};
+use crate::store::checkpointer::{
+    bytes_copied, page_size, thread_write_bytes, wal_checkpoint, Shared, RESTART_WAIT,
+};
 use crate::store::schema::install_busy_handler;
+use crate::store::wal_sync::{pages_written, pages_written_by};
 
 /// `inbox_meta` name of the cumulative bytes written to the WAL (frames and their headers).
 pub(crate) const WAL_BYTES: &str = "bytes_written_wal";
@@ -75,11 +78,8 @@ impl Wear {
         let wear = Box::new(Wear {
             autocheckpoint,
             background,
-            page_size: conn
-                .query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))
-                .map_or(4096, |p| p.max(512) as u64),
-            // SAFETY: the handle of an open connection, used for one status read.
-            pages_seen: Cell::new(pages_written(unsafe { conn.handle() })),
+            page_size: page_size(conn),
+            pages_seen: Cell::new(pages_written(conn)),
             ..Wear::default()
         });
         let arg = &*wear as *const Wear as *mut c_void;
@@ -218,20 +218,14 @@ impl Wear {
         name: *const c_char,
         mode: c_int,
     ) -> Option<u64> {
-        let (mut log, mut done) = (0, 0);
         let before = thread_write_bytes();
         // SAFETY: a valid open handle and schema name (SQLite's own in the hook); what its default hook does.
-        let rc = unsafe { ffi::sqlite3_wal_checkpoint_v2(db, name, mode, &mut log, &mut done) };
+        let (rc, _, done) = unsafe { wal_checkpoint(db, name, mode) };
         // A RESTART that copied everything but could not wait out a reader reports BUSY: it still copied.
         if (rc != ffi::SQLITE_OK && rc != ffi::SQLITE_BUSY) || done <= 0 {
             return None;
         }
-        let done = i64::from(done);
-        let frames_copied = (done - self.backfilled.get()).max(0) as u64;
-        let copied = match (before, thread_write_bytes()) {
-            (Some(b), Some(a)) => a.saturating_sub(b),
-            _ => frames_copied * self.page_size,
-        };
+        let copied = bytes_copied(before, done - self.backfilled.get(), self.page_size);
         self.backfilled.set(done);
         self.save_due.set(true);
         Some(copied)
@@ -258,14 +252,6 @@ fn add_to_meta(conn: &Connection, w: Written) -> rusqlite::Result<()> {
     .map(drop)
 }
 
-/// Pages this connection's pager wrote (to the WAL, in WAL mode), wrapping at 2^32.
-fn pages_written(db: *mut ffi::sqlite3) -> u32 {
-    let (mut cur, mut high) = (0, 0);
-    // SAFETY: a valid open handle; the out-pointers are locals.
-    unsafe { ffi::sqlite3_db_status(db, ffi::SQLITE_DBSTATUS_CACHE_WRITE, &mut cur, &mut high, 0) };
-    cur as u32
-}
-
 /// The WAL hook: after each commit that wrote frames, with `frames` = frames in the WAL now.
 unsafe extern "C" fn on_commit(
     arg: *mut c_void,
@@ -275,7 +261,7 @@ unsafe extern "C" fn on_commit(
 ) -> c_int {
     // SAFETY: `arg` is the connection's `Wear` (see `install`), alive while the connection is.
     let wear = unsafe { &*(arg as *const Wear) };
-    let pages = pages_written(db);
+    let pages = pages_written_by(db);
     let new = pages.wrapping_sub(wear.pages_seen.get()) as u64;
     wear.pages_seen.set(pages);
     let frames = i64::from(frames);
