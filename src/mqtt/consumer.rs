@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::deferred::backlog::BacklogThreshold;
 use crate::inbox::{Handler, Inbox};
-use crate::mqtt::budget::{Budget, DEFAULT_MEMORY_BUDGET};
+use crate::mqtt::budget::Budget;
 use crate::mqtt::conn::{self as mqtt_conn, MqttConfig, Protocol};
 use crate::mqtt::core::ConsumerCore;
 pub use crate::mqtt::core::{RunSummary, StopHandle};
@@ -50,7 +50,6 @@ pub struct Consumer {
     /// The batch size asked for (the core's is capped at the inflight window for each run).
     batch_size: usize,
     batch_set: bool,
-    memory_budget: usize,
     exit_when_idle: Option<Duration>,
 }
 
@@ -89,7 +88,6 @@ impl Consumer {
             mqtt,
             batch_size: DEFAULT_BATCH,
             batch_set: false,
-            memory_budget: DEFAULT_MEMORY_BUDGET,
             exit_when_idle: None,
         }
     }
@@ -128,7 +126,7 @@ impl Consumer {
     /// [`DEFAULT_MEMORY_BUDGET`](crate::DEFAULT_MEMORY_BUDGET) (2 MiB); [`RunSummary::peak_held_bytes`]
     /// reports the most held at once.
     pub fn memory_budget(mut self, bytes: usize) -> Self {
-        self.memory_budget = bytes.max(1);
+        self.core = self.core.memory_budget(bytes);
         self
     }
 
@@ -206,7 +204,8 @@ impl Consumer {
     pub fn run<H: Handler>(&mut self, mut handler: H) -> Result<RunSummary> {
         let mut mqtt = self.mqtt.clone();
         if !mqtt.inflight_set {
-            mqtt.inflight = (self.memory_budget / BUDGET_PER_INFLIGHT).clamp(20, 65_535) as u16;
+            mqtt.inflight =
+                (self.core.memory_budget / BUDGET_PER_INFLIGHT).clamp(20, 65_535) as u16;
         }
         let window = usize::from(mqtt.inflight);
         let batch_size = self.batch_size.min(window);
@@ -220,7 +219,7 @@ impl Consumer {
         self.core.summary = RunSummary::default();
         let gate = AckGate::new();
         self.core.set_gate(gate.clone());
-        let budget = Budget::new(self.memory_budget);
+        let budget = Budget::new(self.core.memory_budget);
         let (feed, rx) = driver::channel(gate.clone(), budget.clone());
         let closing = Arc::new(AtomicBool::new(false));
         let (client, poller) = mqtt_conn::start(&mqtt, feed, closing.clone(), budget.limit())
