@@ -206,6 +206,17 @@
 //! refuses the commit ([`Error::CommitRefused`]) makes that delivery a [`Outcome::HandlerFailed`] (a batch is
 //! retried one delivery per transaction to find it).
 //!
+//! A failed sync of the WAL costs more than its own commit. Linux reports a failed write-back once per file
+//! descriptor and marks the pages clean, so the next sync succeeds although frames committed before the
+//! failure without a sync of their own (another connection's `NORMAL` commits, a prune step) may never reach
+//! the disk, and WAL recovery after a power cut stops at the first such frame, taking every later commit with
+//! it. So after a `COMMIT` that failed with an I/O error (or a failed [`Pruning::sync_after_steps`] sync), the
+//! connection commits nothing more until a RESTART checkpoint has copied the WAL back into the database file
+//! (from the page cache, which holds what was committed; the database file's own sync reports its own
+//! errors) and the next write starts the WAL over. The next transaction runs that checkpoint first; while it
+//! cannot complete (a reader still on the WAL, the disk still failing), the call fails with a retryable
+//! error and nothing is acked (`tests/wal_sync_failure.rs` cuts the power after such a failure).
+//!
 //! ## Received-then-deferred mode
 //!
 //! When the effect is slow, or must wait for something, store first and apply later:

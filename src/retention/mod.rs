@@ -424,6 +424,9 @@ impl Pruning {
     /// 23.6 and 25.4 against 23.9 and 21.2 ms), while the pruner synced the WAL once more per step (more
     /// flash wear on a card) and the prune took up to 15% longer (not in every run). It may help on
     /// storage whose sync time grows with the pages it flushes, which the measurements did not model.
+    ///
+    /// When that sync fails, the step returns the error and the connection commits nothing more until its
+    /// WAL has been copied back (see "Resolving an unknown commit" in the crate guide).
     pub fn sync_after_steps(mut self, sync: bool) -> Self {
         self.sync_after_steps = sync;
         self

@@ -107,7 +107,11 @@ impl Inbox {
             // The write lock is released: the step's frames reach the disk now, on this connection's time,
             // not inside the next consumer's fsync of the WAL.
             let started = std::time::Instant::now();
-            wal_sync::sync_wal(&self.conn)?;
+            if let Err(e) = wal_sync::sync_wal(&self.conn) {
+                self.conn
+                    .note_wal_sync_failed(e.sqlite_code().unwrap_or(-1));
+                return Err(e);
+            }
             self.retention.unpaced = started.elapsed();
         }
         if opts.checkpoint_pages > 0

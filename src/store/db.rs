@@ -95,12 +95,14 @@ pub(crate) struct Db {
 /// (no allocation), before every handler runs, and checked after it: a handler that replaced them while it
 /// ran fails its call.
 ///
-/// It also refuses every commit once the database file is known to be gone from its path (`gone`).
+/// It also refuses every commit once the database file is known to be gone from its path (`gone`), and while
+/// a failed sync may have left frames of the WAL off the disk (`unsynced`, see [`Db::note_wal_sync_failed`]).
 #[derive(Default)]
 struct HandlerGuard {
     active: AtomicBool,
     ended: AtomicBool,
     gone: AtomicBool,
+    unsynced: AtomicBool,
     /// The deleted WAL's rescue was logged.
     wal_reported: AtomicBool,
 }
@@ -110,7 +112,11 @@ unsafe extern "C" fn refuse_commit(guard: *mut std::ffi::c_void) -> std::ffi::c_
     // SAFETY: `guard` is the `HandlerGuard` the hook was installed with (`HandlerGuard::install`), kept alive
     // by the `Db` until after the connection is closed.
     let g = unsafe { &*(guard as *const HandlerGuard) };
-    std::ffi::c_int::from(g.active.load(Ordering::SeqCst) || g.gone.load(Ordering::SeqCst))
+    std::ffi::c_int::from(
+        g.active.load(Ordering::SeqCst)
+            || g.gone.load(Ordering::SeqCst)
+            || g.unsynced.load(Ordering::SeqCst),
+    )
 }
 
 unsafe extern "C" fn note_rollback(guard: *mut std::ffi::c_void) {
@@ -471,6 +477,55 @@ impl Db {
             .gone
             .load(Ordering::SeqCst)
             .then(|| self.database_gone())
+    }
+
+    /// A sync of this connection's WAL failed (a COMMIT's, or the pruner's after its step). Linux reports a
+    /// failed write-back once per file descriptor, so the next sync on it succeeds although frames that were
+    /// committed before may never have reached the disk; a commit appended after them and acked would be lost
+    /// with them at a power cut, as recovery stops at the first bad frame. So every commit on this connection
+    /// is refused until [`Db::recover_unsynced_wal`] has copied the WAL back into the database file (whose
+    /// own sync reports its own errors) and made the next write start the WAL over.
+    pub(crate) fn note_wal_sync_failed(&self, code: i32) {
+        // The application may have replaced the hook that refuses the commits.
+        self.guard.install(self);
+        if !self.guard.unsynced.swap(true, Ordering::SeqCst) {
+            log::error!(
+                "a sync of the WAL of {} failed (SQLite code {code}): frames committed before it may not be on                  the disk, so no commit is made on this connection until the WAL is copied back into the                  database file and started over",
+                self.path.display()
+            );
+        }
+    }
+
+    /// After [`Db::note_wal_sync_failed`], outside any transaction: a RESTART checkpoint copies every frame
+    /// back (from the page cache, which holds what was committed) and syncs the database file, and the next
+    /// write then starts the WAL over, past the frames the failed sync may have left bad. Until one completes,
+    /// a retryable error ([`Error::Busy`] while readers keep the WAL, else the checkpoint's own failure):
+    /// nothing is committed, so nothing is acked.
+    pub(crate) fn recover_unsynced_wal(&self) -> Result<()> {
+        if !self.guard.unsynced.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let (busy, log, copied): (i64, i64, i64) =
+            self.query_row("PRAGMA wal_checkpoint(RESTART)", [], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })?;
+        if busy != 0 {
+            // A reader still on the WAL, or the checkpoint thread's own copy: the next transaction tries again.
+            return Err(Error::Busy {
+                code: rusqlite::ffi::SQLITE_BUSY,
+            });
+        }
+        if copied != log {
+            return Err(crate::store::error::storage_error(
+                rusqlite::ffi::SQLITE_IOERR_FSYNC,
+            ));
+        }
+        self.guard.unsynced.store(false, Ordering::SeqCst);
+        log::warn!(
+            "the WAL of {} was copied back into the database file after a failed sync; commits resume",
+            self.path.display()
+        );
+        Ok(())
     }
 
     /// The connection's own WAL is gone from its path: on close, leave whatever is there now alone.

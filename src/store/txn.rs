@@ -15,8 +15,9 @@ pub(crate) fn unix_now() -> i64 {
 }
 
 /// Starts a write transaction: rolls back one left open by an interrupted call (a handler that panicked),
-/// refuses if the database file is known to be gone from its path ([`Error::DatabaseGone`]), puts the
-/// connection at the durability this transaction needs, then `BEGIN IMMEDIATE`.
+/// refuses if the database file is known to be gone from its path ([`Error::DatabaseGone`]), copies the WAL
+/// back first after a failed sync ([`Db::recover_unsynced_wal`]), puts the connection at the durability this
+/// transaction needs, then `BEGIN IMMEDIATE`.
 pub(crate) fn begin(conn: &Db) -> Result<()> {
     if !conn.is_autocommit() {
         log::warn!("rolling back a transaction left open by an earlier, interrupted call");
@@ -25,6 +26,7 @@ pub(crate) fn begin(conn: &Db) -> Result<()> {
     if let Some(gone) = conn.gone() {
         return Err(gone);
     }
+    conn.recover_unsynced_wal()?;
     conn.prepare_level()?;
     conn.begin_immediate()?;
     Ok(())
@@ -45,6 +47,10 @@ pub(crate) fn commit(conn: &Db) -> Result<()> {
                 log::warn!(
                     "COMMIT failed with SQLite code {code}: outcome unknown until the identity is looked up"
                 );
+                // An I/O error may have been the WAL's sync, whatever its extended code says.
+                if code & 0xff == rusqlite::ffi::SQLITE_IOERR {
+                    conn.note_wal_sync_failed(code);
+                }
                 Error::CommitUnknown { code, source: e }
             }
         }
@@ -65,13 +71,13 @@ pub(crate) fn commit(conn: &Db) -> Result<()> {
     }
 }
 
+/// How long the rescue retries a checkpoint that found the checkpoint lock taken.
+const RESCUE_BUSY_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The WAL was deleted while open: the commit just made (and every frame not yet checkpointed) is only in the
 /// unlinked file, which a crash would take with it. Copy it all into the database file (a FULL checkpoint,
 /// fsynced) before reporting success; if that cannot be done, the outcome is not durable: `CommitUnknown`.
 /// Unless the database file has gone from its path too: then nothing can be durable (`DatabaseGone`).
-/// How long the rescue retries a checkpoint that found the checkpoint lock taken.
-const RESCUE_BUSY_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
-
 #[cold]
 fn rescue_unlinked_wal(conn: &Db) -> Result<()> {
     // Closing must not delete by name the WAL and index another connection may have created there since.

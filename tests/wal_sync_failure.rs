@@ -1,0 +1,195 @@
+//! A failed sync of the WAL loses more than the commit that saw it. Linux reports a failed write-back once per
+//! file descriptor and marks the pages clean: the next sync succeeds, although frames written before the
+//! failure (another connection's `synchronous=NORMAL` commits, a prune step) never reached the disk. A commit
+//! appended after them and acked would vanish with them at a power cut, since WAL recovery stops at the first
+//! bad frame. A VFS models exactly that disk here (writes durable only once synced; a failed sync drops what
+//! it should have written), and the power cut is rebuilt from what it kept.
+
+use std::ffi::c_int;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Once};
+
+use edge_inbox::rusqlite::ffi;
+
+#[path = "../examples/support/wrap_vfs.rs"]
+mod wrap_vfs;
+use edge_inbox::{Config, Delivery, Error, Inbox, Outcome, Status, Synchronous, Tx};
+
+const SCOPE: &str = "inventory-reservation";
+const VFS: &str = "edge-inbox-failed-writeback";
+
+static FAIL_WAL_SYNC: AtomicBool = AtomicBool::new(false);
+
+#[derive(Default)]
+struct Image {
+    name: String,
+    durable: Vec<u8>,
+    /// Written (or truncated: no data) since the file's last sync: on the disk only once a sync succeeds.
+    pending: Vec<(u64, Option<Vec<u8>>)>,
+}
+
+fn apply(bytes: &mut Vec<u8>, off: u64, data: Option<&[u8]>) {
+    let Some(data) = data else {
+        bytes.truncate(off as usize);
+        return;
+    };
+    let end = off as usize + data.len();
+    if bytes.len() < end {
+        bytes.resize(end, 0);
+    }
+    bytes[off as usize..end].copy_from_slice(data);
+}
+
+/// The database file and its WAL as the disk holds them; one image per path, whichever connection writes.
+#[derive(Default)]
+struct Disk {
+    files: Mutex<Vec<Image>>,
+}
+
+impl wrap_vfs::Observer for Disk {
+    fn open(&self, name: Option<&str>, flags: c_int) -> Option<usize> {
+        let name = name?;
+        if flags & (ffi::SQLITE_OPEN_MAIN_DB | ffi::SQLITE_OPEN_WAL) == 0 {
+            return None;
+        }
+        let mut files = self.files.lock().unwrap();
+        if let Some(i) = files.iter().position(|f| f.name == name) {
+            return Some(i);
+        }
+        files.push(Image {
+            name: name.to_owned(),
+            ..Image::default()
+        });
+        Some(files.len() - 1)
+    }
+
+    fn write(&self, tag: usize, off: u64, data: &[u8]) {
+        self.files.lock().unwrap()[tag]
+            .pending
+            .push((off, Some(data.to_vec())));
+    }
+
+    fn truncate(&self, tag: usize, size: u64) {
+        self.files.lock().unwrap()[tag].pending.push((size, None));
+    }
+
+    fn sync(&self, tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
+        let wal = self.files.lock().unwrap()[tag].name.ends_with("-wal");
+        if wal && FAIL_WAL_SYNC.load(Ordering::SeqCst) {
+            // The write-back failed: those pages never reach the disk, and no later sync writes them.
+            self.files.lock().unwrap()[tag].pending.clear();
+            return ffi::SQLITE_IOERR_FSYNC;
+        }
+        let rc = real();
+        if rc == ffi::SQLITE_OK {
+            let mut files = self.files.lock().unwrap();
+            let f = &mut files[tag];
+            for (off, data) in std::mem::take(&mut f.pending) {
+                apply(&mut f.durable, off, data.as_deref());
+            }
+        }
+        rc
+    }
+
+    fn mmap(&self) -> bool {
+        false
+    }
+}
+
+fn disk() -> Arc<Disk> {
+    static ONCE: Once = Once::new();
+    static DISK: Mutex<Option<Arc<Disk>>> = Mutex::new(None);
+    ONCE.call_once(|| {
+        let d = Arc::new(Disk::default());
+        wrap_vfs::register(VFS, d.clone(), false);
+        *DISK.lock().unwrap() = Some(d);
+    });
+    DISK.lock().unwrap().clone().unwrap()
+}
+
+/// Writes what the disk holds now into `dir`, under the files' own names: the files after a power cut.
+fn power_cut(disk: &Disk, dir: &Path) -> std::path::PathBuf {
+    let mut db = None;
+    for f in disk.files.lock().unwrap().iter() {
+        let name = Path::new(&f.name).file_name().unwrap();
+        std::fs::write(dir.join(name), &f.durable).unwrap();
+        if !f.name.ends_with("-wal") {
+            db = Some(dir.join(name));
+        }
+    }
+    db.expect("the database file was opened")
+}
+
+fn bump(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
+    let n: i64 = tx.get(d.message_id)?.unwrap_or(0);
+    tx.put(d.message_id, &(n + 1))?;
+    Ok(())
+}
+
+/// Offers `id` until it is settled; a busy database (the WAL being copied back) is retried, a bounded number
+/// of times.
+fn process(inbox: &mut Inbox, id: &str) -> Outcome {
+    let d = Delivery::new(SCOPE, id, "orders/1", b"x");
+    for _ in 0..100 {
+        match inbox.process(&d, bump) {
+            Err(Error::Busy { .. }) => std::thread::sleep(std::time::Duration::from_millis(20)),
+            other => return other.unwrap(),
+        }
+    }
+    panic!("{id}: still busy after 100 tries");
+}
+
+/// One test function: the fault switch and the disk model are process-wide.
+#[test]
+fn a_commit_after_a_failed_wal_sync_is_not_acked_until_the_wal_is_copied_back() {
+    let disk = disk();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    // No checkpoint threads: only the connections below touch the WAL, in the order written here.
+    let config = Config::default().vfs(VFS).checkpoint_thread(false);
+    let mut inbox = Inbox::open(&path, config.clone()).unwrap();
+    assert!(matches!(process(&mut inbox, "a"), Outcome::Processed));
+
+    // Another consumer on the file commits at NORMAL: its frames are in the WAL, not yet on the disk.
+    let mut relaxed = Inbox::open(&path, config.clone().synchronous(Synchronous::Normal)).unwrap();
+    for id in ["n-1", "n-2", "n-3"] {
+        assert!(matches!(process(&mut relaxed, id), Outcome::Processed));
+    }
+
+    // The next sync fails: the commit is not acked (its outcome is unknown) ...
+    FAIL_WAL_SYNC.store(true, Ordering::SeqCst);
+    let d = Delivery::new(SCOPE, "b", "orders/1", b"x");
+    let err = inbox.process(&d, bump).unwrap_err();
+    FAIL_WAL_SYNC.store(false, Ordering::SeqCst);
+    assert!(matches!(err, Error::CommitUnknown { .. }), "{err:?}");
+    assert!(err.is_retryable());
+
+    // ... and the next one, whose own sync succeeds, must not rest on the frames that failed.
+    assert!(matches!(process(&mut inbox, "c"), Outcome::Processed));
+
+    let cut = tempfile::tempdir().unwrap();
+    let db = power_cut(&disk, cut.path());
+    drop(relaxed);
+    drop(inbox);
+    let mut after = Inbox::open(&db, Config::default()).unwrap();
+    for id in ["a", "c"] {
+        assert!(
+            matches!(
+                after.status(SCOPE, None, id).unwrap(),
+                Status::Recorded { .. }
+            ),
+            "{id} was acked, so it must survive a power cut"
+        );
+    }
+    // The copy back also made durable what the NORMAL commits had left to the failed sync.
+    for id in ["n-1", "n-2", "n-3"] {
+        assert!(
+            matches!(
+                after.status(SCOPE, None, id).unwrap(),
+                Status::Recorded { .. }
+            ),
+            "{id}"
+        );
+    }
+}
