@@ -490,7 +490,9 @@ impl Db {
         self.guard.install(self);
         if !self.guard.unsynced.swap(true, Ordering::SeqCst) {
             log::error!(
-                "a sync of the WAL of {} failed (SQLite code {code}): frames committed before it may not be on                  the disk, so no commit is made on this connection until the WAL is copied back into the                  database file and started over",
+                "a sync of the WAL of {} failed (SQLite code {code}): frames committed before it may not be on \
+                 the disk, so no commit is made on this connection until the WAL is copied back into the \
+                 database file and started over",
                 self.path.display()
             );
         }
