@@ -781,7 +781,7 @@
 //! and when the WAL has not started over by itself by twice that, a RESTART that copies the few frames
 //! consumers added meanwhile (holding the write lock for that, and for at most 10 ms more while readers
 //! leave the WAL) so that it does; both outside its
-//! transactions and its rest. The WAL so stays below the consumers' [`Config::wal_autocheckpoint`] (1000),
+//! transactions and its rest. The WAL so stays below the consumers' [`Config::wal_autocheckpoint`] (10,000),
 //! and a consumer's commit does not have to run a checkpoint while a pass runs (5 of 232,504 did beside a
 //! 1,000,000-row prune on a loaded machine, 1,931 before); keep twice the pruner's figure below theirs when
 //! changing either. Other defaults: 32 rows a step, rest 9 times as long as each step took and at

@@ -391,7 +391,7 @@ impl Pruning {
     /// the WAL starts over at the next write.
     ///
     /// Keep twice `pages` below the consumers'
-    /// [`Config::wal_autocheckpoint`](crate::Config::wal_autocheckpoint) (1000 by default): then the WAL never
+    /// [`Config::wal_autocheckpoint`](crate::Config::wal_autocheckpoint) (10,000 by default): then the WAL never
     /// reaches their threshold while a pass runs, and a consumer's commit does not copy the pruner's pages
     /// into the file (issue 26: about 0.7 to 0.9% of a consumer's commits did during a prune, just under its
     /// p99; 0.002% with this, on a loaded machine).

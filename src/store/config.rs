@@ -84,7 +84,7 @@ impl Default for Config {
             vfs: None,
             outbox_producer: None,
             slow_commit: Some(Duration::from_secs(1)),
-            wal_autocheckpoint: 1000,
+            wal_autocheckpoint: 10_000,
             checkpoint_thread: true,
             page_size: None,
         }
@@ -120,8 +120,17 @@ impl Config {
 
     /// Copy the WAL back into the database file (a PASSIVE checkpoint) when a commit leaves it this many
     /// pages long, as SQLite's `wal_autocheckpoint`; 0 never does (then run checkpoints yourself). Default
-    /// 1000. A larger value copies a page changed by many commits back fewer times (less flash wear) for a
-    /// larger WAL file and a longer recovery after a crash.
+    /// 10,000 (SQLite's is 1000). A larger value copies a page changed by many commits back fewer times (less
+    /// flash wear) and makes the WAL start over less often, for a larger WAL file and a longer recovery after
+    /// a crash: at 4 KiB pages the WAL grows to about 40 MiB (twice that beside a writer that never pauses)
+    /// and keeps that size on disk.
+    ///
+    /// Why not SQLite's 1000: the first commit after the WAL starts over also writes and syncs the new WAL
+    /// header, and a commit past twice the threshold waits for the checkpoint's RESTART, so on a card whose
+    /// sync takes 5 ms the deliveries behind those commits wait two to four syncs. At 1000 pages that was
+    /// more than 1% of a consumer's deliveries at 10% load, and set its p99 (31 ms, against 18 ms at 10,000,
+    /// two runs each); the checkpoints also wrote 5 times the bytes into the database file (BENCHMARKS.md,
+    /// issue 23).
     pub fn wal_autocheckpoint(mut self, pages: u32) -> Self {
         self.wal_autocheckpoint = pages;
         self
@@ -131,9 +140,10 @@ impl Config {
     /// connection of its own, instead of inside the commit that leaves the WAL past the threshold. Default
     /// `true`.
     ///
-    /// Inside the commit, that commit also copies about a thousand pages into the database file and syncs
-    /// twice before it returns: on an SD card or eMMC whose sync takes 5 ms that is 40-60 ms, paid by the
-    /// delivery and by every delivery waiting behind it (the tail of a consumer's latency). On the thread,
+    /// Inside the commit, that commit also copies up to a threshold's worth of pages into the database file
+    /// and syncs twice before it returns: on an SD card or eMMC whose sync takes 5 ms that is 40-60 ms at
+    /// 1000 pages, paid by the delivery and by every delivery waiting behind it (the tail of a consumer's
+    /// latency). On the thread,
     /// commits go on while it copies (a PASSIVE checkpoint takes no lock a writer needs). A writer that
     /// never pauses keeps the WAL from starting over (a commit lands during every copy): soon after such a
     /// copy, one commit waits, after committing, while the thread runs a RESTART (the few frames added
