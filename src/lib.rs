@@ -210,12 +210,12 @@
 //! descriptor and marks the pages clean, so the next sync succeeds although frames committed before the
 //! failure without a sync of their own (another connection's `NORMAL` commits, a prune step) may never reach
 //! the disk, and WAL recovery after a power cut stops at the first such frame, taking every later commit with
-//! it. So after a `COMMIT` that failed with an I/O error (or a failed [`Pruning::sync_after_steps`] sync), the
-//! connection commits nothing more until a RESTART checkpoint has copied the WAL back into the database file
-//! (from the page cache, which holds what was committed; the database file's own sync reports its own
-//! errors) and the next write starts the WAL over. The next transaction runs that checkpoint first; while it
-//! cannot complete (a reader still on the WAL, the disk still failing), the call fails with a retryable
-//! error and nothing is acked (`tests/wal_sync_failure.rs` cuts the power after such a failure).
+//! it. So after an I/O error in a `COMMIT`, in a checkpoint on the inbox's connection or in a
+//! [`Pruning::sync_after_steps`] sync, the connection commits nothing more until it has written the whole WAL
+//! out again (the same bytes, from the page cache where the failed write-back left them) and synced it. The
+//! next transaction does that first, under the write lock; while it fails (the disk still failing), the call
+//! fails with a retryable error and nothing is acked (`tests/wal_sync_failure.rs` cuts the power after such a
+//! failure). Pages the kernel evicted before that are beyond repair, as they would be anyway.
 //!
 //! ## Received-then-deferred mode
 //!

@@ -426,7 +426,7 @@ impl Pruning {
     /// storage whose sync time grows with the pages it flushes, which the measurements did not model.
     ///
     /// When that sync fails, the step returns the error and the connection commits nothing more until its
-    /// WAL has been copied back (see "Resolving an unknown commit" in the crate guide).
+    /// WAL has been written out again (see "Resolving an unknown commit" in the crate guide).
     pub fn sync_after_steps(mut self, sync: bool) -> Self {
         self.sync_after_steps = sync;
         self

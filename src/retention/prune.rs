@@ -128,6 +128,9 @@ impl Inbox {
                 self.config.busy_timeout,
             );
             report.checkpoints = self.conn.wear.checkpoints() - before;
+            if let Some(code) = self.conn.wear.take_io_error() {
+                self.conn.note_wal_sync_failed(code);
+            }
             self.retention.unpaced += started.elapsed();
         }
         self.retention.pass.add(&report);
@@ -213,7 +216,15 @@ impl Inbox {
                 }
             }
             Phase::Checkpoint => {
-                checkpoint(&self.conn, opts.truncate_wal)?;
+                if let Err(e) = checkpoint(&self.conn, opts.truncate_wal) {
+                    if let Some(code) = e
+                        .sqlite_code()
+                        .filter(|c| c & 0xff == rusqlite::ffi::SQLITE_IOERR)
+                    {
+                        self.conn.note_wal_sync_failed(code);
+                    }
+                    return Err(e);
+                }
                 self.retention.phase = Phase::Messages;
                 report.done = true;
             }

@@ -479,52 +479,41 @@ impl Db {
             .then(|| self.database_gone())
     }
 
-    /// A sync of this connection's WAL failed (a COMMIT's, or the pruner's after its step). Linux reports a
-    /// failed write-back once per file descriptor, so the next sync on it succeeds although frames that were
-    /// committed before may never have reached the disk; a commit appended after them and acked would be lost
-    /// with them at a power cut, as recovery stops at the first bad frame. So every commit on this connection
-    /// is refused until [`Db::recover_unsynced_wal`] has copied the WAL back into the database file (whose
-    /// own sync reports its own errors) and made the next write start the WAL over.
+    /// A sync of this connection's WAL failed (a COMMIT's, a checkpoint's, or the pruner's after its step).
+    /// Linux reports a failed write-back once per file descriptor and marks the pages clean, so the next sync
+    /// on it succeeds although frames that were committed before may never have reached the disk; a commit
+    /// appended after them and acked would be lost with them at a power cut, as recovery stops at the first
+    /// bad frame (and a checkpoint that copied the later frames into the database file would leave it torn
+    /// between the two). So every commit on this connection is refused until [`Db::recover_unsynced_wal`]
+    /// has written the WAL out again.
     pub(crate) fn note_wal_sync_failed(&self, code: i32) {
         // The application may have replaced the hook that refuses the commits.
         self.guard.install(self);
         if !self.guard.unsynced.swap(true, Ordering::SeqCst) {
             log::error!(
                 "a sync of the WAL of {} failed (SQLite code {code}): frames committed before it may not be on \
-                 the disk, so no commit is made on this connection until the WAL is copied back into the \
-                 database file and started over",
+                 the disk, so no commit is made on this connection until the WAL has been written out again",
                 self.path.display()
             );
         }
     }
 
-    /// After [`Db::note_wal_sync_failed`], outside any transaction: a RESTART checkpoint copies every frame
-    /// back (from the page cache, which holds what was committed) and syncs the database file, and the next
-    /// write then starts the WAL over, past the frames the failed sync may have left bad. Until one completes,
-    /// a retryable error ([`Error::Busy`] while readers keep the WAL, else the checkpoint's own failure):
-    /// nothing is committed, so nothing is acked.
+    /// After [`Db::note_wal_sync_failed`], first thing in a write transaction (so nobody appends meanwhile):
+    /// writes the whole WAL file again from what it holds (the page cache, where the failed write-back left
+    /// the committed frames) and syncs it, so the disk holds every committed frame again. Until that
+    /// succeeds, the error it met (retryable I/O): the caller rolls back, nothing is committed or acked.
+    ///
+    /// What it cannot undo: pages of the failed write-back that the kernel evicted before this runs come
+    /// back from the disk as they are there; the WAL's checksums then end recovery at them after a crash,
+    /// as they would have anyway.
     pub(crate) fn recover_unsynced_wal(&self) -> Result<()> {
         if !self.guard.unsynced.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let (busy, log, copied): (i64, i64, i64) =
-            self.query_row("PRAGMA wal_checkpoint(RESTART)", [], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-            })?;
-        if busy != 0 {
-            // A reader still on the WAL, or the checkpoint thread's own copy: the next transaction tries again.
-            return Err(Error::Busy {
-                code: rusqlite::ffi::SQLITE_BUSY,
-            });
-        }
-        if copied != log {
-            return Err(crate::store::error::storage_error(
-                rusqlite::ffi::SQLITE_IOERR_FSYNC,
-            ));
-        }
+        let bytes = crate::store::wal_sync::rewrite_wal(self)?;
         self.guard.unsynced.store(false, Ordering::SeqCst);
         log::warn!(
-            "the WAL of {} was copied back into the database file after a failed sync; commits resume",
+            "the WAL of {} was written out again after a failed sync ({bytes} bytes); commits resume",
             self.path.display()
         );
         Ok(())

@@ -15,9 +15,9 @@ pub(crate) fn unix_now() -> i64 {
 }
 
 /// Starts a write transaction: rolls back one left open by an interrupted call (a handler that panicked),
-/// refuses if the database file is known to be gone from its path ([`Error::DatabaseGone`]), copies the WAL
-/// back first after a failed sync ([`Db::recover_unsynced_wal`]), puts the connection at the durability this
-/// transaction needs, then `BEGIN IMMEDIATE`.
+/// refuses if the database file is known to be gone from its path ([`Error::DatabaseGone`]), puts the
+/// connection at the durability this transaction needs, then `BEGIN IMMEDIATE`, and after a failed sync first
+/// writes the WAL out again ([`Db::recover_unsynced_wal`]).
 pub(crate) fn begin(conn: &Db) -> Result<()> {
     if !conn.is_autocommit() {
         log::warn!("rolling back a transaction left open by an earlier, interrupted call");
@@ -26,9 +26,12 @@ pub(crate) fn begin(conn: &Db) -> Result<()> {
     if let Some(gone) = conn.gone() {
         return Err(gone);
     }
-    conn.recover_unsynced_wal()?;
     conn.prepare_level()?;
     conn.begin_immediate()?;
+    if let Err(e) = conn.recover_unsynced_wal() {
+        let _ = conn.execute_batch("ROLLBACK");
+        return Err(e);
+    }
     Ok(())
 }
 
@@ -57,6 +60,10 @@ pub(crate) fn commit(conn: &Db) -> Result<()> {
     })?;
     if let Some(staged) = staged {
         conn.wear.saved(staged);
+    }
+    // The automatic checkpoint in this commit (after its own sync) met an I/O error.
+    if let Some(code) = conn.wear.take_io_error() {
+        conn.note_wal_sync_failed(code);
     }
     if let (Some(started), Some(threshold)) = (started, conn.slow_commit) {
         let took = started.elapsed();

@@ -53,6 +53,8 @@ pub(crate) struct Wear {
     save_due: Cell<bool>,
     /// Checkpoints that copied frames back, since the connection opened.
     checkpoints: Cell<u64>,
+    /// The I/O error a checkpoint on this connection met (its sync of the WAL, say), not yet taken.
+    io_error: Cell<Option<i32>>,
     /// The checkpoint thread the hook asks instead of checkpointing itself ([`Config::checkpoint_thread`]).
     ///
     /// [`Config::checkpoint_thread`]: crate::Config::checkpoint_thread
@@ -171,6 +173,12 @@ impl Wear {
         (self.frames_in_wal.get() - self.backfilled.get()).max(0)
     }
 
+    /// The I/O error a checkpoint on this connection met since the last call: its WAL sync may have used up
+    /// the report of a failed write-back (see `Db::note_wal_sync_failed`).
+    pub(crate) fn take_io_error(&self) -> Option<i32> {
+        self.io_error.take()
+    }
+
     /// Checkpoints this connection ran (automatic ones in its commits, and [`Wear::checkpoint`]).
     pub(crate) fn checkpoints(&self) -> u64 {
         self.checkpoints.get()
@@ -221,6 +229,9 @@ impl Wear {
         let before = thread_write_bytes();
         // SAFETY: a valid open handle and schema name (SQLite's own in the hook); what its default hook does.
         let (rc, _, done) = unsafe { wal_checkpoint(db, name, mode) };
+        if rc & 0xff == ffi::SQLITE_IOERR {
+            self.io_error.set(Some(rc));
+        }
         // A RESTART that copied everything but could not wait out a reader reports BUSY: it still copied.
         if (rc != ffi::SQLITE_OK && rc != ffi::SQLITE_BUSY) || done <= 0 {
             return None;
