@@ -12,7 +12,7 @@ use crate::inbox::Inbox;
 use crate::store::config::Limits;
 use crate::store::error::{is_unique_violation, Error, Result};
 use crate::store::state::Tx;
-use crate::store::txn::unix_now;
+use crate::store::txn::{begin, commit, unix_now};
 
 /// User property names the relay sets itself; a message may not carry its own.
 pub(crate) const RESERVED_PROPERTIES: [&str; 3] = ["message-id", "producer", "sent-at"];
@@ -472,11 +472,19 @@ impl Inbox {
     /// on the same connection, and sends them after the rows it already sent: a requeued row arrives later than
     /// the rows committed after it, which went on while it was parked.
     pub fn requeue_parked_outbox(&mut self) -> Result<u64> {
-        let n = self
+        // In a transaction of the inbox's own, like every write on its connection: a failed sync is then
+        // noticed, and one before it is made good first.
+        begin(&self.conn)?;
+        let result = self
             .conn
-            .prepare_cached("UPDATE outbox SET state = 0, attempts = 0 WHERE state = 2")?
-            .execute([])?;
-        Ok(n as u64)
+            .prepare_cached("UPDATE outbox SET state = 0, attempts = 0 WHERE state = 2")
+            .and_then(|mut s| s.execute([]))
+            .map_err(Error::from)
+            .and_then(|n| commit(&self.conn).map(|()| n as u64));
+        if result.is_err() && !self.conn.is_autocommit() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+        result
     }
 
     /// Deletes outbox messages confirmed (sent) more than `older_than` ago, in short transactions; returns

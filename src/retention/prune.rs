@@ -115,6 +115,7 @@ impl Inbox {
             self.retention.unpaced = started.elapsed();
         }
         if opts.checkpoint_pages > 0
+            && !self.conn.wal_unsynced()
             && self.conn.wear.frames_not_copied() >= i64::from(opts.checkpoint_pages)
         {
             // Between transactions, at the configured durability (the checkpoint syncs the WAL first, so the
@@ -214,6 +215,12 @@ impl Inbox {
                 if freed == 0 {
                     self.retention.phase = Phase::Checkpoint;
                 }
+            }
+            // After a failed sync, no checkpoint until a transaction has written the WAL out again.
+            Phase::Checkpoint if self.conn.wal_unsynced() => {
+                return Err(crate::store::error::storage_error(
+                    rusqlite::ffi::SQLITE_IOERR_FSYNC,
+                ));
             }
             Phase::Checkpoint => {
                 if let Err(e) = checkpoint(&self.conn, opts.truncate_wal) {

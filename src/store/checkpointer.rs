@@ -21,7 +21,7 @@
 //! [`Config::checkpoint_thread`]: crate::Config::checkpoint_thread
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -57,6 +57,12 @@ pub(crate) struct Shared {
     generation: AtomicU64,
     /// Bytes copied into the database file and not yet taken by the committing connection's counters.
     copied: AtomicU64,
+    /// No checkpoint while set: a sync of the WAL failed, and frames of it may be missing on the disk. Copying
+    /// the later frames into the database file before they are written out again would leave the file torn
+    /// between the two at a power cut (see `Db::note_wal_sync_failed`).
+    held: AtomicBool,
+    /// The I/O error (SQLite code) a checkpoint of the thread met, for the committing connection: 0 for none.
+    io_error: AtomicI32,
 }
 
 #[derive(Default)]
@@ -146,6 +152,17 @@ pub(crate) struct Checkpointer {
 }
 
 impl Checkpointer {
+    /// Holds (or lets go) the thread's checkpoints: see [`Shared`]'s `held`.
+    pub(crate) fn hold(&self, held: bool) {
+        self.shared.held.store(held, Ordering::SeqCst);
+    }
+
+    /// The I/O error the thread's checkpoint met since the last call, if any: its WAL sync may have used
+    /// up the report of a failed write-back.
+    pub(crate) fn take_io_error(&self) -> Option<i32> {
+        Some(self.shared.io_error.swap(0, Ordering::SeqCst)).filter(|&c| c != 0)
+    }
+
     /// Opens the thread's connection to the inbox at `path` (same VFS and `synchronous` level as the inbox's,
     /// which set how the checkpoint syncs) and starts the thread. `threshold` is the WAL hook's.
     pub(crate) fn start(path: &Path, config: &Config, threshold: i64) -> Result<Checkpointer> {
@@ -205,6 +222,15 @@ fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
             w.due = false;
             w.restart
         };
+        if shared.held.load(Ordering::SeqCst) {
+            shared.requested.store(false, Ordering::Release);
+            if restart {
+                let mut w = shared.wake.lock().unwrap_or_else(|p| p.into_inner());
+                w.restart = false;
+                shared.restarted.notify_all();
+            }
+            continue;
+        }
         let generation = shared.generation.load(Ordering::Acquire);
         let before = thread_write_bytes();
         // SAFETY: the thread's own open connection, outside any statement.
@@ -216,7 +242,12 @@ fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
         };
         // SAFETY: the thread's own open handle, and SQLite's name of the main schema.
         let (rc, log, done) = unsafe { wal_checkpoint(db, c"main".as_ptr(), mode) };
-        if rc != ffi::SQLITE_OK && rc != ffi::SQLITE_BUSY {
+        if rc & 0xff == ffi::SQLITE_IOERR {
+            // Its sync of the WAL may have taken the report of a failed write-back from the inbox.
+            log::error!("background checkpoint failed (SQLite code {rc}); checkpoints held");
+            shared.held.store(true, Ordering::SeqCst);
+            shared.io_error.store(rc, Ordering::SeqCst);
+        } else if rc != ffi::SQLITE_OK && rc != ffi::SQLITE_BUSY {
             log::debug!("background checkpoint failed (SQLite code {rc})");
         }
         // Only while the WAL is still the one checkpointed (the hook resets both when it starts over).

@@ -489,6 +489,9 @@ impl Db {
     pub(crate) fn note_wal_sync_failed(&self, code: i32) {
         // The application may have replaced the hook that refuses the commits.
         self.guard.install(self);
+        if let Some(c) = &self.checkpointer {
+            c.hold(true);
+        }
         if !self.guard.unsynced.swap(true, Ordering::SeqCst) {
             log::error!(
                 "a sync of the WAL of {} failed (SQLite code {code}): frames committed before it may not be on \
@@ -496,6 +499,12 @@ impl Db {
                 self.path.display()
             );
         }
+    }
+
+    /// Whether a failed sync left the WAL to be written out again ([`Db::note_wal_sync_failed`]): no commit,
+    /// and no checkpoint, until then.
+    pub(crate) fn wal_unsynced(&self) -> bool {
+        self.guard.unsynced.load(Ordering::SeqCst)
     }
 
     /// After [`Db::note_wal_sync_failed`], first thing in a write transaction (so nobody appends meanwhile):
@@ -507,11 +516,17 @@ impl Db {
     /// back from the disk as they are there; the WAL's checksums then end recovery at them after a crash,
     /// as they would have anyway.
     pub(crate) fn recover_unsynced_wal(&self) -> Result<()> {
-        if !self.guard.unsynced.load(Ordering::SeqCst) {
+        if let Some(code) = self.checkpointer.as_ref().and_then(|c| c.take_io_error()) {
+            self.note_wal_sync_failed(code);
+        }
+        if !self.wal_unsynced() {
             return Ok(());
         }
         let bytes = crate::store::wal_sync::rewrite_wal(self)?;
         self.guard.unsynced.store(false, Ordering::SeqCst);
+        if let Some(c) = &self.checkpointer {
+            c.hold(false);
+        }
         log::warn!(
             "the WAL of {} was written out again after a failed sync ({bytes} bytes); commits resume",
             self.path.display()

@@ -110,16 +110,16 @@ pub(crate) fn rewrite_wal(conn: &Connection) -> Result<u64> {
         "the WAL is rewritten under the write lock"
     );
     let flags = sync_flags(conn)?;
-    let Some(file) = wal_file(conn) else {
-        return Ok(0);
-    };
+    // Under the write lock in WAL mode the WAL is open: without it, nothing could be written out again.
+    let missing = || storage_error(ffi::SQLITE_IOERR);
+    let file = wal_file(conn).ok_or_else(missing)?;
     // SAFETY: an open file's methods, from its VFS; the handle is used on the connection's thread, between
     // statements, while this connection holds the write lock (no one else writes the WAL).
     let methods = unsafe { &*(*file).pMethods };
     let (Some(x_size), Some(x_read), Some(x_write)) =
         (methods.xFileSize, methods.xRead, methods.xWrite)
     else {
-        return Ok(0);
+        return Err(missing());
     };
     let mut size: i64 = 0;
     // SAFETY: as above; `size` is a local.

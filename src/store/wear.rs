@@ -200,7 +200,10 @@ impl Wear {
         // SAFETY: this open connection's handle, on its own thread, outside a statement.
         let db = unsafe { conn.handle() };
         let passive = self.checkpoint_counted(db, c"main".as_ptr(), ffi::SQLITE_CHECKPOINT_PASSIVE);
-        let restart = if self.frames_in_wal.get() >= restart_at
+        // After an I/O error the RESTART's own sync could succeed and copy frames past a hole in the WAL.
+        let failed = self.io_error.get().is_some();
+        let restart = if !failed
+            && self.frames_in_wal.get() >= restart_at
             && install_busy_handler(conn, RESTART_WAIT).is_ok()
         {
             let copied =
