@@ -212,10 +212,13 @@
 //! the disk, and WAL recovery after a power cut stops at the first such frame, taking every later commit with
 //! it. So after an I/O error in a `COMMIT`, in a checkpoint on the inbox's connection or in a
 //! [`Pruning::sync_after_steps`] sync, the connection commits nothing more until it has written the whole WAL
-//! out again (the same bytes, from the page cache where the failed write-back left them) and synced it. The
-//! next transaction does that first, under the write lock; while it fails (the disk still failing), the call
-//! fails with a retryable error and nothing is acked (`tests/wal_sync_failure.rs` cuts the power after such a
-//! failure). Pages the kernel evicted before that are beyond repair, as they would be anyway.
+//! out again (the same bytes, from the page cache where the failed write-back left them) and synced it, and
+//! neither it nor its checkpoint thread runs a checkpoint meanwhile (copying the frames after the gap into the
+//! database file would leave it torn at a power cut). The next transaction does that first, under the write
+//! lock; while it fails (the disk still failing), the call fails with a retryable error and nothing is acked
+//! (`tests/wal_sync_failure.rs` cuts the power after such a failure). Not covered: pages the kernel evicted
+//! before that (beyond repair, as they would be anyway), and other processes' connections to the file, whose
+//! own descriptors report the error at their next sync.
 //!
 //! ## Received-then-deferred mode
 //!
