@@ -216,13 +216,13 @@ impl Inbox {
                     self.retention.phase = Phase::Checkpoint;
                 }
             }
-            // After a failed sync, no checkpoint until a transaction has written the WAL out again.
-            Phase::Checkpoint if self.conn.wal_unsynced() => {
-                return Err(crate::store::error::storage_error(
-                    rusqlite::ffi::SQLITE_IOERR_FSYNC,
-                ));
-            }
             Phase::Checkpoint => {
+                if self.conn.wal_unsynced() {
+                    // After a failed sync, no checkpoint before the WAL is written out again: a transaction
+                    // does that first (or fails with the disk's error, for the next step to try again).
+                    begin(&self.conn)?;
+                    self.conn.execute_batch("ROLLBACK")?;
+                }
                 if let Err(e) = checkpoint(&self.conn, opts.truncate_wal) {
                     if let Some(code) = e
                         .sqlite_code()
