@@ -216,9 +216,11 @@
 //! neither it nor its checkpoint thread runs a checkpoint meanwhile (copying the frames after the gap into the
 //! database file would leave it torn at a power cut). The next transaction does that first, under the write
 //! lock; while it fails (the disk still failing), the call fails with a retryable error and nothing is acked
-//! (`tests/wal_sync_failure.rs` cuts the power after such a failure). Not covered: pages the kernel evicted
-//! before that (beyond repair, as they would be anyway), and other processes' connections to the file, whose
-//! own descriptors report the error at their next sync.
+//! (`tests/wal_sync_failure.rs` cuts the power after such a failure). An inbox dropped in that state does the
+//! same before SQLite's final checkpoint at close, or closes without that checkpoint if it cannot. Not
+//! covered: pages the kernel evicted before that (beyond repair, as they would be anyway), and other
+//! connections to the file (another `Inbox` on it, other processes), whose own descriptors report the error
+//! at their next sync.
 //!
 //! ## Received-then-deferred mode
 //!

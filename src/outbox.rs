@@ -12,7 +12,7 @@ use crate::inbox::Inbox;
 use crate::store::config::Limits;
 use crate::store::error::{is_unique_violation, Error, Result};
 use crate::store::state::Tx;
-use crate::store::txn::{begin, commit, unix_now};
+use crate::store::txn::{unix_now, write};
 
 /// User property names the relay sets itself; a message may not carry its own.
 pub(crate) const RESERVED_PROPERTIES: [&str; 3] = ["message-id", "producer", "sent-at"];
@@ -474,17 +474,13 @@ impl Inbox {
     pub fn requeue_parked_outbox(&mut self) -> Result<u64> {
         // In a transaction of the inbox's own, like every write on its connection: a failed sync is then
         // noticed, and one before it is made good first.
-        begin(&self.conn)?;
-        let result = self
-            .conn
-            .prepare_cached("UPDATE outbox SET state = 0, attempts = 0 WHERE state = 2")
-            .and_then(|mut s| s.execute([]))
-            .map_err(Error::from)
-            .and_then(|n| commit(&self.conn).map(|()| n as u64));
-        if result.is_err() && !self.conn.is_autocommit() {
-            let _ = self.conn.execute_batch("ROLLBACK");
-        }
-        result
+        write(&self.conn, || {
+            let n = self
+                .conn
+                .prepare_cached("UPDATE outbox SET state = 0, attempts = 0 WHERE state = 2")?
+                .execute([])?;
+            Ok(n as u64)
+        })
     }
 
     /// Deletes outbox messages confirmed (sent) more than `older_than` ago, in short transactions; returns
@@ -495,22 +491,15 @@ impl Inbox {
         let before = unix_now().saturating_sub(older_than.as_secs().min(i64::MAX as u64) as i64);
         let mut total = 0u64;
         loop {
-            crate::store::txn::begin(&self.conn)?;
-            let deleted = self
-                .conn
-                .prepare_cached(
-                    "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE state = 1 AND sent_at < ?1 \
-                     ORDER BY sent_at LIMIT ?2)",
-                )
-                .and_then(|mut s| s.execute((before, PRUNE_CHUNK)));
-            let deleted = match deleted {
-                Ok(n) => n,
-                Err(e) => {
-                    let _ = self.conn.execute_batch("ROLLBACK");
-                    return Err(e.into());
-                }
-            };
-            crate::store::txn::commit(&self.conn)?;
+            let deleted = write(&self.conn, || {
+                Ok(self
+                    .conn
+                    .prepare_cached(
+                        "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE state = 1 AND sent_at < ?1 \
+                         ORDER BY sent_at LIMIT ?2)",
+                    )?
+                    .execute((before, PRUNE_CHUNK))?)
+            })?;
             total += deleted as u64;
             if (deleted as i64) < PRUNE_CHUNK {
                 return Ok(total);
@@ -604,8 +593,7 @@ impl Inbox {
             return Ok(());
         }
         let now = unix_now();
-        crate::store::txn::begin(&self.conn)?;
-        let result = (|| -> rusqlite::Result<()> {
+        write(&self.conn, || {
             let mut stmt = self.conn.prepare_cached(
                 "UPDATE outbox SET state = 1, sent_at = ?2 WHERE seq = ?1 AND state = 0",
             )?;
@@ -613,14 +601,7 @@ impl Inbox {
                 stmt.execute((s, now))?;
             }
             Ok(())
-        })();
-        match result {
-            Ok(()) => crate::store::txn::commit(&self.conn),
-            Err(e) => {
-                let _ = self.conn.execute_batch("ROLLBACK");
-                Err(e.into())
-            }
-        }
+        })
     }
 
     /// Parks a pending row the broker cannot take at all (over its Maximum Packet Size), as if refused

@@ -14,7 +14,7 @@ use edge_inbox::rusqlite::ffi;
 
 #[path = "../examples/support/wrap_vfs.rs"]
 mod wrap_vfs;
-use edge_inbox::{Config, Delivery, Error, Inbox, Outcome, Status, Synchronous, Tx};
+use edge_inbox::{Config, Delivery, Error, Inbox, Outcome, Pruning, Status, Synchronous, Tx};
 
 const SCOPE: &str = "inventory-reservation";
 const VFS: &str = "edge-inbox-failed-writeback";
@@ -202,5 +202,27 @@ fn a_commit_after_a_failed_wal_sync_is_not_acked_until_the_wal_is_written_out_ag
     // The next commit, whose own sync succeeds, rests on frames that are on the disk.
     assert!(matches!(process(&mut inbox, "c"), Outcome::Processed));
     check_after_power_cut(&disk, &["a", "n-1", "n-2", "n-3", "c"]);
+
+    // A checkpoint's sync of the WAL fails (the one that ends a prune pass): the same as a commit's. The next
+    // commit, which syncs fine, is acked only once the frames before it are on the disk again.
+    assert!(matches!(process(&mut relaxed, "n-5"), Outcome::Processed));
+    FAIL_WAL_SYNC.store(true, Ordering::SeqCst);
+    let err = inbox.prune(&Pruning::default()).unwrap_err();
+    assert!(err.is_retryable(), "{err:?}");
+    FAIL_WAL_SYNC.store(false, Ordering::SeqCst);
+    assert!(matches!(process(&mut inbox, "e"), Outcome::Processed));
+    check_after_power_cut(&disk, &["a", "n-1", "n-2", "n-3", "c", "n-5", "e"]);
+
+    // Another failed sync, and then the inbox is closed with no transaction after it. As the last connection
+    // it checkpoints at close: that copy must not put frames the disk lacks into the database file, where
+    // recovery would replay the WAL's older prefix over them after a power cut.
+    assert!(matches!(process(&mut relaxed, "n-4"), Outcome::Processed));
+    FAIL_WAL_SYNC.store(true, Ordering::SeqCst);
+    let d = Delivery::new(SCOPE, "d", "orders/1", b"x");
+    let err = inbox.process(&d, bump).unwrap_err();
+    assert!(matches!(err, Error::CommitUnknown { .. }), "{err:?}");
+    FAIL_WAL_SYNC.store(false, Ordering::SeqCst);
     drop(relaxed);
+    drop(inbox);
+    check_after_power_cut(&disk, &["a", "n-1", "n-2", "n-3", "c", "n-5", "e", "n-4"]);
 }

@@ -14,7 +14,7 @@ use crate::retention::{
 use crate::store::config::Synchronous;
 use crate::store::db::Db;
 use crate::store::error::{Error, Result};
-use crate::store::txn::{begin, commit, unix_now};
+use crate::store::txn::{begin, unix_now, write};
 use crate::store::wal_sync;
 
 use super::DAY;
@@ -28,12 +28,9 @@ impl Inbox {
     /// first sequence) for a scope that has already recorded deliveries.
     pub fn set_retention(&mut self, scope: &str, policy: &RetentionPolicy) -> Result<()> {
         let scope_id = self.scope_id(scope)?;
-        begin(&self.conn)?;
-        let result = store_policy(&self.conn, scope, scope_id, policy);
-        let result = result.and_then(|()| commit(&self.conn));
-        if result.is_err() && !self.conn.is_autocommit() {
-            let _ = self.conn.execute_batch("ROLLBACK");
-        }
+        let result = write(&self.conn, || {
+            store_policy(&self.conn, scope, scope_id, policy)
+        });
         self.retention.invalidate();
         result?;
         match policy.identity_horizon {
@@ -129,9 +126,7 @@ impl Inbox {
                 self.config.busy_timeout,
             );
             report.checkpoints = self.conn.wear.checkpoints() - before;
-            if let Some(code) = self.conn.wear.take_io_error() {
-                self.conn.note_wal_sync_failed(code);
-            }
+            self.conn.note_checkpoint_io_errors();
             self.retention.unpaced += started.elapsed();
         }
         self.retention.pass.add(&report);
@@ -224,11 +219,8 @@ impl Inbox {
                     self.conn.execute_batch("ROLLBACK")?;
                 }
                 if let Err(e) = checkpoint(&self.conn, opts.truncate_wal) {
-                    if let Some(code) = e
-                        .sqlite_code()
-                        .filter(|c| c & 0xff == rusqlite::ffi::SQLITE_IOERR)
-                    {
-                        self.conn.note_wal_sync_failed(code);
+                    if let Some(code) = e.sqlite_code() {
+                        self.conn.note_if_io_error(code);
                     }
                     return Err(e);
                 }
@@ -245,16 +237,11 @@ impl Inbox {
         &mut self,
         f: impl FnOnce(&Connection, &RetentionState) -> Result<T>,
     ) -> Result<T> {
-        begin(&self.conn)?;
-        let result = self
-            .retention
-            .refresh(&self.conn)
-            .and_then(|()| f(&self.conn, &self.retention));
-        let result = result.and_then(|v| commit(&self.conn).map(|()| v));
-        if result.is_err() && !self.conn.is_autocommit() {
-            let _ = self.conn.execute_batch("ROLLBACK");
-        }
-        result
+        let (conn, retention) = (&self.conn, &mut self.retention);
+        write(conn, || {
+            retention.refresh(conn)?;
+            f(conn, retention)
+        })
     }
 
     fn prune_messages(&mut self, opts: &Pruning, now: i64, report: &mut PruneReport) -> Result<()> {
@@ -481,8 +468,7 @@ fn store_policy(
 
 /// Returns up to `pages` free pages to the file system in one short write transaction; the number returned.
 fn vacuum_step(conn: &Db, pages: u32) -> Result<u64> {
-    begin(conn)?;
-    let result = (|| -> rusqlite::Result<u64> {
+    write(conn, || {
         let before: i64 = conn.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
         if before == 0 {
             return Ok(0);
@@ -493,14 +479,7 @@ fn vacuum_step(conn: &Db, pages: u32) -> Result<u64> {
         while rows.next()?.is_some() {}
         let after: i64 = conn.query_row("PRAGMA freelist_count", [], |r| r.get(0))?;
         Ok((before - after).max(0) as u64)
-    })();
-    match result {
-        Ok(n) => commit(conn).map(|()| n),
-        Err(e) => {
-            let _ = conn.execute_batch("ROLLBACK");
-            Err(e.into())
-        }
-    }
+    })
 }
 
 /// Copies the WAL back into the database without blocking writers, then optionally truncates it (which waits,

@@ -78,6 +78,13 @@ struct Wake {
 const RESTART_HANDSHAKE: Duration = Duration::from_millis(250);
 
 impl Shared {
+    /// The thread is done with a RESTART it was asked for (made, failed or skipped): the waiting commit goes on.
+    fn answer_restart(&self) {
+        let mut w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
+        w.restart = false;
+        self.restarted.notify_all();
+    }
+
     /// From the committing connection's WAL hook, after a commit that left `frames` in the WAL (SQLite
     /// calls the hook once the commit's write lock is released); `restarted` when the WAL started over
     /// since the hook last looked.
@@ -225,9 +232,7 @@ fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
         if shared.held.load(Ordering::SeqCst) {
             shared.requested.store(false, Ordering::Release);
             if restart {
-                let mut w = shared.wake.lock().unwrap_or_else(|p| p.into_inner());
-                w.restart = false;
-                shared.restarted.notify_all();
+                shared.answer_restart();
             }
             continue;
         }
@@ -286,9 +291,7 @@ fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
         // Commits from now on may ask again (not during the copy: they would ask for its tail at once).
         shared.requested.store(false, Ordering::Release);
         if restart {
-            let mut w = shared.wake.lock().unwrap_or_else(|p| p.into_inner());
-            w.restart = false;
-            shared.restarted.notify_all();
+            shared.answer_restart();
         }
     }
 }

@@ -246,9 +246,12 @@ impl Drop for Db {
     fn drop(&mut self) {
         // The thread uses the connection: it stops first.
         drop(self.waiter.take());
+        // An I/O error of the thread's last checkpoints reaches this connection's flag before the thread goes.
+        self.note_checkpoint_io_errors();
         // Its connection closes first, so this one stays the last: SQLite's final checkpoint at close, and
         // keeping the files of a database deleted meanwhile, are this connection's.
         drop(self.checkpointer.take());
+        self.close_after_failed_sync();
         // SAFETY: the statements are dropped exactly once, here, and before the connection they borrow;
         // `conn` came from `Box::into_raw` in `Db::new` and is freed exactly once.
         self.wear.save_on_close(self);
@@ -501,6 +504,25 @@ impl Db {
         }
     }
 
+    /// [`Db::note_wal_sync_failed`] when `code` (an extended result code) is an I/O error: whatever its
+    /// extended code names, it may have been a sync of the WAL.
+    pub(crate) fn note_if_io_error(&self, code: i32) {
+        if code & 0xff == rusqlite::ffi::SQLITE_IOERR {
+            self.note_wal_sync_failed(code);
+        }
+    }
+
+    /// [`Db::note_wal_sync_failed`] for an I/O error a checkpoint met since the last call: one on this
+    /// connection (a commit's automatic checkpoint, the pruner's) or on the inbox's checkpoint thread. Their
+    /// syncs of the WAL may have taken the report of a failed write-back.
+    pub(crate) fn note_checkpoint_io_errors(&self) {
+        let own = self.wear.take_io_error();
+        let thread = self.checkpointer.as_ref().and_then(|c| c.take_io_error());
+        if let Some(code) = own.or(thread) {
+            self.note_wal_sync_failed(code);
+        }
+    }
+
     /// Whether a failed sync left the WAL to be written out again ([`Db::note_wal_sync_failed`]): no commit,
     /// and no checkpoint, until then.
     pub(crate) fn wal_unsynced(&self) -> bool {
@@ -516,9 +538,7 @@ impl Db {
     /// back from the disk as they are there; the WAL's checksums then end recovery at them after a crash,
     /// as they would have anyway.
     pub(crate) fn recover_unsynced_wal(&self) -> Result<()> {
-        if let Some(code) = self.checkpointer.as_ref().and_then(|c| c.take_io_error()) {
-            self.note_wal_sync_failed(code);
-        }
+        self.note_checkpoint_io_errors();
         if !self.wal_unsynced() {
             return Ok(());
         }
@@ -532,6 +552,38 @@ impl Db {
             self.path.display()
         );
         Ok(())
+    }
+
+    /// Before closing: if this connection may be the last, SQLite copies the WAL into the database file as it
+    /// closes. After a failed sync that copy would put frames the disk may lack into the database file, torn
+    /// from the WAL that recovery replays after a power cut. So the WAL is written out again first (in a
+    /// transaction of its own, rolled back); if that fails too, the connection closes without the copy,
+    /// leaving the WAL for the next open to recover from.
+    fn close_after_failed_sync(&self) {
+        if !self.wal_unsynced() {
+            return;
+        }
+        // Closing: a short wait for the write lock, not the configured busy timeout.
+        let _ = self.busy_timeout(std::time::Duration::from_millis(100));
+        if !self.is_autocommit() {
+            let _ = self.execute_batch("ROLLBACK");
+        }
+        let written = self.begin_immediate().is_ok() && {
+            let r = self.recover_unsynced_wal();
+            let _ = self.execute_batch("ROLLBACK");
+            r.is_ok()
+        };
+        if !written {
+            let _ = self.set_db_config(
+                rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
+                true,
+            );
+            log::error!(
+                "closing {} after a failed sync of its WAL that could not be written out again: closed without \
+                 the final checkpoint, the next open recovers from the WAL",
+                self.path.display()
+            );
+        }
     }
 
     /// The connection's own WAL is gone from its path: on close, leave whatever is there now alone.

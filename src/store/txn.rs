@@ -35,6 +35,16 @@ pub(crate) fn begin(conn: &Db) -> Result<()> {
     Ok(())
 }
 
+/// Runs `f` in one write transaction: [`begin`], `f`, [`commit`]; rolled back when `f` or the commit fails.
+pub(crate) fn write<T>(conn: &Db, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    begin(conn)?;
+    let result = f().and_then(|v| commit(conn).map(|()| v));
+    if result.is_err() && !conn.is_autocommit() {
+        let _ = conn.execute_batch("ROLLBACK");
+    }
+    result
+}
+
 /// `COMMIT`, its failure classified by the extended result code: a refused constraint, a busy database or a
 /// full disk leave nothing committed; any other failure (I/O above all) leaves the outcome unknown. A commit
 /// into a database file that is no longer at its path is [`Error::DatabaseGone`]: it can never be durable.
@@ -51,9 +61,7 @@ pub(crate) fn commit(conn: &Db) -> Result<()> {
                     "COMMIT failed with SQLite code {code}: outcome unknown until the identity is looked up"
                 );
                 // An I/O error may have been the WAL's sync, whatever its extended code says.
-                if code & 0xff == rusqlite::ffi::SQLITE_IOERR {
-                    conn.note_wal_sync_failed(code);
-                }
+                conn.note_if_io_error(code);
                 Error::CommitUnknown { code, source: e }
             }
         }
@@ -61,10 +69,8 @@ pub(crate) fn commit(conn: &Db) -> Result<()> {
     if let Some(staged) = staged {
         conn.wear.saved(staged);
     }
-    // The automatic checkpoint in this commit (after its own sync) met an I/O error.
-    if let Some(code) = conn.wear.take_io_error() {
-        conn.note_wal_sync_failed(code);
-    }
+    // A checkpoint (this commit's automatic one, or the inbox's thread's) met an I/O error.
+    conn.note_checkpoint_io_errors();
     if let (Some(started), Some(threshold)) = (started, conn.slow_commit) {
         let took = started.elapsed();
         if took >= threshold {
