@@ -64,6 +64,18 @@ pub(crate) fn mosquitto_exe() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+static BROKER_NAGLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `--broker-nagle`: the benchmarks' mosquitto keeps its default, Nagle's algorithm on its connections.
+pub fn set_broker_nagle(on: bool) {
+    BROKER_NAGLE.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the benchmarks' mosquitto runs with Nagle's algorithm (see [`set_broker_nagle`]).
+pub fn broker_nagle() -> bool {
+    BROKER_NAGLE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 impl Mosquitto {
     pub(crate) fn start(exe: &Path, dir: &Path) -> anyhow::Result<Mosquitto> {
         // Started as root, mosquitto drops to its own user; it only needs to read its config here.
@@ -74,12 +86,16 @@ impl Mosquitto {
             .port();
         let conf = dir.join("mosquitto.conf");
         // No broker persistence: sessions live in memory for the run. The windows are raised so the
-        // broker never holds back what a batch of 256 needs, and the queue holds a whole slice.
+        // broker never holds back what a batch of 256 needs, and the queue holds a whole slice. TCP_NODELAY
+        // unless `--broker-nagle`: with Nagle's algorithm the broker holds a delivery back until the
+        // consumer's host ACKs the previous segment, which a consumer that acks once per commit delays.
+        let nodelay = !broker_nagle();
         std::fs::write(
             &conf,
             format!(
                 "listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n\
                  max_inflight_messages {INFLIGHT}\nmax_queued_messages 1000000\n\
+                 set_tcp_nodelay {nodelay}\n\
                  log_dest stderr\nlog_type error\nlog_type warning\n"
             ),
         )?;

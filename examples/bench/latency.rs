@@ -35,11 +35,12 @@ fn now_ns() -> u64 {
     EPOCH.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
-/// What one run saw at the relay: (publish stamp, PUBACK seen), in nanoseconds of [`now_ns`].
+/// What one run saw at the relay, in nanoseconds of [`now_ns`]: per message its publish stamp, when the
+/// relay read its PUBLISH from the broker, and when it read its PUBACK from the consumer.
 #[derive(Default)]
 struct Seen {
-    pending: HashMap<u16, u64>,
-    acks: Vec<(u64, u64)>,
+    pending: HashMap<u16, (u64, u64)>,
+    acks: Vec<(u64, u64, u64)>,
 }
 
 /// A relay in front of the broker for one run's consumer connections.
@@ -76,7 +77,7 @@ impl Relay {
         Ok(Relay { port, seen, stop })
     }
 
-    fn take(&self) -> Vec<(u64, u64)> {
+    fn take(&self) -> Vec<(u64, u64, u64)> {
         std::mem::take(&mut self.seen.lock().unwrap().acks)
     }
 }
@@ -114,12 +115,12 @@ fn pump(
                 let mut s = seen.lock().unwrap();
                 if down && header >> 4 == 3 && (header >> 1) & 3 == 1 {
                     if let Some((pid, stamp)) = publish_stamp(body) {
-                        s.pending.insert(pid, stamp);
+                        s.pending.insert(pid, (stamp, at));
                     }
                 } else if !down && header >> 4 == 4 && body.len() >= 2 {
                     let pid = u16::from_be_bytes([body[0], body[1]]);
-                    if let Some(stamp) = s.pending.remove(&pid) {
-                        s.acks.push((stamp, at));
+                    if let Some((stamp, down)) = s.pending.remove(&pid) {
+                        s.acks.push((stamp, down, at));
                     }
                 }
                 used += len;
@@ -226,9 +227,17 @@ enum Kind {
     Bare,
 }
 
+/// Latencies of one run (all but the first tenth): publish to PUBACK, and the part of it before the relay
+/// read the PUBLISH from the broker (the publisher, the broker and the TCP connection to the consumer).
+#[derive(Default)]
+struct Latencies {
+    total: Vec<Duration>,
+    to_consumer: Vec<Duration>,
+}
+
 /// One run: a fresh consumer (and for the inbox a fresh file) takes `n` messages offered at `rate`. Returns
-/// the latencies (all but the first tenth), the achieved rate (first publish to last PUBACK, all of them)
-/// and the bytes written during the run (the whole run: opening the file, every delivery).
+/// the latencies, the achieved rate (first publish to last PUBACK, all of them) and the bytes written during
+/// the run (the whole run: opening the file, every delivery).
 fn run_one(
     dir: &Path,
     broker: &Mosquitto,
@@ -236,7 +245,7 @@ fn run_one(
     tag: &str,
     n: usize,
     rate: f64,
-) -> anyhow::Result<(Vec<Duration>, f64, Written)> {
+) -> anyhow::Result<(Latencies, f64, Written)> {
     let written = Written::now();
     let relay = Relay::start(broker.port)?;
     let topic = format!("bench/latency/{tag}");
@@ -302,15 +311,22 @@ fn run_one(
         acks.len()
     );
     let first = acks.iter().map(|a| a.0).min().unwrap_or(0);
-    let last = acks.iter().map(|a| a.1).max().unwrap_or(0);
+    let last = acks.iter().map(|a| a.2).max().unwrap_or(0);
     let achieved = n as f64 / ((last - first).max(1) as f64 / 1e9);
     // The first tenth is warm-up (connection, first WAL frames) and stays out of the latencies.
     let mut acks = acks;
     acks.sort_unstable();
-    let lat = acks[n / 10..]
-        .iter()
-        .map(|&(p, a)| Duration::from_nanos(a.saturating_sub(p)))
-        .collect();
+    let kept = &acks[n / 10..];
+    let lat = Latencies {
+        total: kept
+            .iter()
+            .map(|&(p, _, a)| Duration::from_nanos(a.saturating_sub(p)))
+            .collect(),
+        to_consumer: kept
+            .iter()
+            .map(|&(p, d, _)| Duration::from_nanos(d.saturating_sub(p)))
+            .collect(),
+    };
     Ok((lat, achieved, written))
 }
 
@@ -357,6 +373,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
     let kinds = [Kind::Inbox, Kind::Bare];
     // [kind][level]: latencies pooled over rounds; level 0 is saturation.
     let mut lat: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
+    let mut to_consumer: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
     let mut sat: Vec<Vec<f64>> = vec![Vec::new(); 2];
     let mut offered: Vec<Vec<f64>> = vec![Vec::new(); LOADS.len()];
     let mut disk = Vec::new();
@@ -366,7 +383,8 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
         for (k, &kind) in kinds.iter().enumerate() {
             let (l, rate, w) =
                 run_one(dir, &broker, kind, &format!("{kind:?}-sat-{round}"), n, 0.0)?;
-            lat[k][0].extend(l);
+            lat[k][0].extend(l.total);
+            to_consumer[k][0].extend(l.to_consumer);
             sat[k].push(rate);
             if kind == Kind::Inbox {
                 bytes[0].0.add(w);
@@ -380,7 +398,8 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
             for (k, &kind) in kinds.iter().enumerate() {
                 let tag = format!("{kind:?}-{}-{round}", (load * 100.0) as u32);
                 let (l, _, w) = run_one(dir, &broker, kind, &tag, n, rate)?;
-                lat[k][1 + j].extend(l);
+                lat[k][1 + j].extend(l.total);
+                to_consumer[k][1 + j].extend(l.to_consumer);
                 if kind == Kind::Inbox {
                     bytes[1 + j].0.add(w);
                     bytes[1 + j].1 += n as u64;
@@ -400,8 +419,16 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
         ms(f99),
         disk.len()
     );
-    println!("| load | offered msgs/s | consumer | p50 ms | p99 ms | max ms | bytes/delivery: WAL | database file | block layer | syncs/delivery |");
-    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "Broker {}. \"to consumer\": the part of the latency before the relay read the PUBLISH from the broker.\n",
+        if super::e2e::broker_nagle() {
+            "with Nagle's algorithm (mosquitto's default)"
+        } else {
+            "with TCP_NODELAY (`set_tcp_nodelay true`)"
+        }
+    );
+    println!("| load | offered msgs/s | consumer | p50 ms | p99 ms | max ms | to consumer p50 / p99 ms | bytes/delivery: WAL | database file | block layer | syncs/delivery |");
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let names = [
         "edge-inbox `Consumer` (defaults)",
         "bare, PUBACK on receipt",
@@ -419,6 +446,8 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
             let v = &mut lat[k][level];
             let (p50, p99) = (pct(v, 0.5), pct(v, 0.99));
             let max = *v.last().unwrap();
+            let t = &mut to_consumer[k][level];
+            let (t50, t99) = (pct(t, 0.5), pct(t, 0.99));
             let written = if k == 0 {
                 let (w, d) = &bytes[level];
                 let (wal, db, block) = w.per(*d);
@@ -430,11 +459,13 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
                 "- | - | - | -".into()
             };
             println!(
-                "| {label} | {rate} | {} | {:.2} | {:.2} | {:.2} | {written} |",
+                "| {label} | {rate} | {} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {written} |",
                 names[k],
                 ms(p50),
                 ms(p99),
-                ms(max)
+                ms(max),
+                ms(t50),
+                ms(t99)
             );
         }
     }

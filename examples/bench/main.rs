@@ -139,6 +139,9 @@ struct Args {
     /// the commit that crosses the threshold.
     #[arg(long, value_name = "BOOL")]
     checkpoint_thread: Option<bool>,
+    /// e2e and latency: run mosquitto with its default Nagle's algorithm instead of `set_tcp_nodelay true`.
+    #[arg(long)]
+    broker_nagle: bool,
 }
 
 /// The modes of `--mode`.
@@ -179,6 +182,8 @@ fn main() -> anyhow::Result<()> {
         config = config.checkpoint_thread(on);
     }
     set_inbox_config(config);
+    #[cfg(feature = "mqtt")]
+    e2e::set_broker_nagle(args.broker_nagle);
     if args.sync_delay_ms > 0 {
         println!(
             "Field storage: every sync takes {} ms more (simulated).",
