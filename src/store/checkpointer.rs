@@ -167,6 +167,10 @@ impl Checkpointer {
     /// The I/O error the thread's checkpoint met since the last call, if any: its WAL sync may have used
     /// up the report of a failed write-back.
     pub(crate) fn take_io_error(&self) -> Option<i32> {
+        // A load first: every commit asks, and an error is rare.
+        if self.shared.io_error.load(Ordering::Acquire) == 0 {
+            return None;
+        }
         Some(self.shared.io_error.swap(0, Ordering::SeqCst)).filter(|&c| c != 0)
     }
 
