@@ -216,11 +216,13 @@
 //! neither it nor its checkpoint thread runs a checkpoint meanwhile (copying the frames after the gap into the
 //! database file would leave it torn at a power cut). The next transaction does that first, under the write
 //! lock; while it fails (the disk still failing), the call fails with a retryable error and nothing is acked
-//! (`tests/wal_sync_failure.rs` cuts the power after such a failure). An inbox dropped in that state does the
-//! same before SQLite's final checkpoint at close, or closes without that checkpoint if it cannot. Not
-//! covered: pages the kernel evicted before that (beyond repair, as they would be anyway), and other
-//! connections to the file (another `Inbox` on it, other processes), whose own descriptors report the error
-//! at their next sync.
+//! (`tests/wal_sync_failure.rs` cuts the power after such a failure). A commit during which the checkpoint
+//! thread's sync failed is [`Error::CommitUnknown`]: that sync may have taken the report meant for the
+//! commit's own. An inbox dropped in that state writes the WAL out again before SQLite's final checkpoint at
+//! close, or closes without that checkpoint if it cannot. Not covered: pages the kernel evicted before that
+//! (beyond repair, as they would be anyway); other connections to the file (another `Inbox` on it, other
+//! processes), whose own descriptors report the error at their next sync; and a file opened again after a
+//! close that could not write the WAL out, while the disk still lacks those frames (the flag is in memory).
 //!
 //! ## Received-then-deferred mode
 //!

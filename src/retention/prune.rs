@@ -126,7 +126,7 @@ impl Inbox {
                 self.config.busy_timeout,
             );
             report.checkpoints = self.conn.wear.checkpoints() - before;
-            self.conn.note_checkpoint_io_errors();
+            let _ = self.conn.note_checkpoint_io_errors();
             self.retention.unpaced += started.elapsed();
         }
         self.retention.pass.add(&report);

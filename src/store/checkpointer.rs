@@ -140,6 +140,14 @@ impl Shared {
         self.cv.notify_all();
     }
 
+    fn take_io_error(&self) -> Option<i32> {
+        // A load first: every commit asks, and an error is rare.
+        if self.io_error.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        Some(self.io_error.swap(0, Ordering::SeqCst)).filter(|&c| c != 0)
+    }
+
     /// Bytes the thread copied since the last call.
     pub(crate) fn take_copied(&self) -> u64 {
         self.copied.swap(0, Ordering::AcqRel)
@@ -167,11 +175,14 @@ impl Checkpointer {
     /// The I/O error the thread's checkpoint met since the last call, if any: its WAL sync may have used
     /// up the report of a failed write-back.
     pub(crate) fn take_io_error(&self) -> Option<i32> {
-        // A load first: every commit asks, and an error is rare.
-        if self.shared.io_error.load(Ordering::Acquire) == 0 {
-            return None;
-        }
-        Some(self.shared.io_error.swap(0, Ordering::SeqCst)).filter(|&c| c != 0)
+        self.shared.take_io_error()
+    }
+
+    /// Stops and joins the thread, then returns the I/O error its checkpoints met since the last
+    /// [`Checkpointer::take_io_error`], if any (none can come after).
+    pub(crate) fn stop(mut self) -> Option<i32> {
+        self.join();
+        self.shared.take_io_error()
     }
 
     /// Opens the thread's connection to the inbox at `path` (same VFS and `synchronous` level as the inbox's,
@@ -202,8 +213,9 @@ impl Checkpointer {
     }
 }
 
-impl Drop for Checkpointer {
-    fn drop(&mut self) {
+impl Checkpointer {
+    /// Stops the thread and waits until it has ended (its connection closed).
+    fn join(&mut self) {
         {
             let mut w = self.shared.wake.lock().unwrap_or_else(|p| p.into_inner());
             w.stop = true;
@@ -212,6 +224,12 @@ impl Drop for Checkpointer {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        self.join();
     }
 }
 

@@ -246,11 +246,17 @@ impl Drop for Db {
     fn drop(&mut self) {
         // The thread uses the connection: it stops first.
         drop(self.waiter.take());
-        // An I/O error of the thread's last checkpoints reaches this connection's flag before the thread goes.
-        self.note_checkpoint_io_errors();
         // Its connection closes first, so this one stays the last: SQLite's final checkpoint at close, and
-        // keeping the files of a database deleted meanwhile, are this connection's.
-        drop(self.checkpointer.take());
+        // keeping the files of a database deleted meanwhile, are this connection's. An I/O error of its last
+        // checkpoints flags this connection once it has ended.
+        let _ = self.note_checkpoint_io_errors();
+        if let Some(code) = self
+            .checkpointer
+            .take()
+            .and_then(crate::store::checkpointer::Checkpointer::stop)
+        {
+            self.note_wal_sync_failed(code);
+        }
         self.close_after_failed_sync();
         // SAFETY: the statements are dropped exactly once, here, and before the connection they borrow;
         // `conn` came from `Box::into_raw` in `Db::new` and is freed exactly once.
@@ -514,13 +520,15 @@ impl Db {
 
     /// [`Db::note_wal_sync_failed`] for an I/O error a checkpoint met since the last call: one on this
     /// connection (a commit's automatic checkpoint, the pruner's) or on the inbox's checkpoint thread. Their
-    /// syncs of the WAL may have taken the report of a failed write-back.
-    pub(crate) fn note_checkpoint_io_errors(&self) {
+    /// syncs of the WAL may have taken the report of a failed write-back. Returns the thread's error, if it
+    /// had one: its sync runs beside this connection's transactions.
+    pub(crate) fn note_checkpoint_io_errors(&self) -> Option<i32> {
         let own = self.wear.take_io_error();
         let thread = self.checkpointer.as_ref().and_then(|c| c.take_io_error());
         if let Some(code) = own.or(thread) {
             self.note_wal_sync_failed(code);
         }
+        thread
     }
 
     /// Whether a failed sync left the WAL to be written out again ([`Db::note_wal_sync_failed`]): no commit,
@@ -538,7 +546,7 @@ impl Db {
     /// back from the disk as they are there; the WAL's checksums then end recovery at them after a crash,
     /// as they would have anyway.
     pub(crate) fn recover_unsynced_wal(&self) -> Result<()> {
-        self.note_checkpoint_io_errors();
+        let _ = self.note_checkpoint_io_errors();
         if !self.wal_unsynced() {
             return Ok(());
         }
@@ -557,8 +565,9 @@ impl Db {
     /// Before closing: if this connection may be the last, SQLite copies the WAL into the database file as it
     /// closes. After a failed sync that copy would put frames the disk may lack into the database file, torn
     /// from the WAL that recovery replays after a power cut. So the WAL is written out again first (in a
-    /// transaction of its own, rolled back); if that fails too, the connection closes without the copy,
-    /// leaving the WAL for the next open to recover from.
+    /// transaction of its own, rolled back); if that fails too, the connection closes without the copy and
+    /// leaves the WAL as it is. (The flag lives in this connection only: a process that opens the file
+    /// again while the disk still lacks those frames cannot know it; not covered.)
     fn close_after_failed_sync(&self) {
         if !self.wal_unsynced() {
             return;
@@ -580,7 +589,8 @@ impl Db {
             );
             log::error!(
                 "closing {} after a failed sync of its WAL that could not be written out again: closed without \
-                 the final checkpoint, the next open recovers from the WAL",
+                 the final checkpoint, the WAL left as it is; frames of it may be missing on the disk, which a \
+                 connection that opens the file before the disk has them cannot tell",
                 self.path.display()
             );
         }

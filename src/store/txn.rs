@@ -69,8 +69,20 @@ pub(crate) fn commit(conn: &Db) -> Result<()> {
     if let Some(staged) = staged {
         conn.wear.saved(staged);
     }
-    // A checkpoint (this commit's automatic one, or the inbox's thread's) met an I/O error.
-    conn.note_checkpoint_io_errors();
+    // A checkpoint (this commit's automatic one, after its sync, or the inbox's thread's) met an I/O error.
+    // The thread's sync may have run during this transaction and taken the report of a failed write-back
+    // of this commit's own frames, so that its sync succeeded without them: not durable for certain.
+    if let Some(code) = conn.note_checkpoint_io_errors() {
+        return Err(Error::CommitUnknown {
+            code,
+            source: rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(code),
+                Some(
+                    "the checkpoint thread's sync of the WAL failed during this commit".to_owned(),
+                ),
+            ),
+        });
+    }
     if let (Some(started), Some(threshold)) = (started, conn.slow_commit) {
         let took = started.elapsed();
         if took >= threshold {
