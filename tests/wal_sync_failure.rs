@@ -20,6 +20,24 @@ const SCOPE: &str = "inventory-reservation";
 const VFS: &str = "edge-inbox-failed-writeback";
 
 static FAIL_WAL_SYNC: AtomicBool = AtomicBool::new(false);
+/// The same, for the WAL syncs of the inbox's checkpoint thread only (told by its thread name).
+static FAIL_THREAD_WAL_SYNC: AtomicBool = AtomicBool::new(false);
+/// While set, the checkpoint thread's next WAL sync waits (`THREAD_HELD`) until `RELEASE_THREAD` is set.
+static HOLD_THREAD_SYNC: AtomicBool = AtomicBool::new(false);
+static THREAD_HELD: AtomicBool = AtomicBool::new(false);
+static RELEASE_THREAD: AtomicBool = AtomicBool::new(false);
+/// The checkpoint thread's WAL sync failed.
+static THREAD_FAILED: AtomicBool = AtomicBool::new(false);
+const CHECKPOINT_THREAD: &str = "edge-inbox-checkpoint";
+
+/// Waits until `flag` is set, 10 s at most.
+fn wait_for(flag: &AtomicBool, what: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !flag.load(Ordering::SeqCst) {
+        assert!(std::time::Instant::now() < deadline, "{what}: not in 10 s");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
 
 #[derive(Default)]
 struct Image {
@@ -76,6 +94,16 @@ impl wrap_vfs::Observer for Disk {
 
     fn sync(&self, tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
         let wal = self.files.lock().unwrap()[tag].name.ends_with("-wal");
+        let checkpoint_thread = std::thread::current().name() == Some(CHECKPOINT_THREAD);
+        if wal && checkpoint_thread && HOLD_THREAD_SYNC.load(Ordering::SeqCst) {
+            THREAD_HELD.store(true, Ordering::SeqCst);
+            wait_for(&RELEASE_THREAD, "the test releasing the checkpoint thread");
+        }
+        if wal && checkpoint_thread && FAIL_THREAD_WAL_SYNC.load(Ordering::SeqCst) {
+            self.files.lock().unwrap()[tag].pending.clear();
+            THREAD_FAILED.store(true, Ordering::SeqCst);
+            return ffi::SQLITE_IOERR_FSYNC;
+        }
         if wal && FAIL_WAL_SYNC.load(Ordering::SeqCst) {
             // The write-back failed: those pages never reach the disk, and no later sync writes them.
             self.files.lock().unwrap()[tag].pending.clear();
@@ -108,17 +136,20 @@ fn disk() -> Arc<Disk> {
     DISK.lock().unwrap().clone().unwrap()
 }
 
-/// Writes what the disk holds now into `dir`, under the files' own names: the files after a power cut.
-fn power_cut(disk: &Disk, dir: &Path) -> std::path::PathBuf {
-    let mut db = None;
+/// Writes what the disk holds now of the database file `db` (a file name) and its WAL into `dir`, under
+/// their own names: the files after a power cut.
+fn power_cut(disk: &Disk, dir: &Path, db: &str) -> std::path::PathBuf {
+    let wal = format!("{db}-wal");
+    let mut found = false;
     for f in disk.files.lock().unwrap().iter() {
         let name = Path::new(&f.name).file_name().unwrap();
-        std::fs::write(dir.join(name), &f.durable).unwrap();
-        if !f.name.ends_with("-wal") {
-            db = Some(dir.join(name));
+        if name == db || name.to_str() == Some(wal.as_str()) {
+            std::fs::write(dir.join(name), &f.durable).unwrap();
+            found |= name == db;
         }
     }
-    db.expect("the database file was opened")
+    assert!(found, "the database file {db} was opened");
+    dir.join(db)
 }
 
 fn bump(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
@@ -140,11 +171,11 @@ fn process(inbox: &mut Inbox, id: &str) -> Outcome {
     panic!("{id}: still busy after 100 tries");
 }
 
-/// Reopens the files a power cut would leave now (in a directory of their own) and checks them: whole
-/// (`integrity_check`), and holding each of `kept`.
-fn check_after_power_cut(disk: &Disk, kept: &[&str]) {
+/// Reopens the files of database `db` (a file name) a power cut would leave now (in a directory of their
+/// own) and checks them: whole (`integrity_check`), and holding each of `kept`.
+fn check_after_power_cut(disk: &Disk, db: &str, kept: &[&str]) {
     let cut = tempfile::tempdir().unwrap();
-    let db = power_cut(disk, cut.path());
+    let db = power_cut(disk, cut.path(), db);
     let mut after = Inbox::open(&db, Config::default()).unwrap();
     let integrity: String = after
         .connection()
@@ -197,11 +228,11 @@ fn a_commit_after_a_failed_wal_sync_is_not_acked_until_the_wal_is_written_out_ag
         inbox.process(&a, bump).unwrap(),
         Outcome::Duplicate
     ));
-    check_after_power_cut(&disk, &["a", "n-1", "n-2", "n-3"]);
+    check_after_power_cut(&disk, "inbox.db", &["a", "n-1", "n-2", "n-3"]);
 
     // The next commit, whose own sync succeeds, rests on frames that are on the disk.
     assert!(matches!(process(&mut inbox, "c"), Outcome::Processed));
-    check_after_power_cut(&disk, &["a", "n-1", "n-2", "n-3", "c"]);
+    check_after_power_cut(&disk, "inbox.db", &["a", "n-1", "n-2", "n-3", "c"]);
 
     // A checkpoint's sync of the WAL fails (the one that ends a prune pass): the same as a commit's. The next
     // commit, which syncs fine, is acked only once the frames before it are on the disk again.
@@ -211,7 +242,11 @@ fn a_commit_after_a_failed_wal_sync_is_not_acked_until_the_wal_is_written_out_ag
     assert!(err.is_retryable(), "{err:?}");
     FAIL_WAL_SYNC.store(false, Ordering::SeqCst);
     assert!(matches!(process(&mut inbox, "e"), Outcome::Processed));
-    check_after_power_cut(&disk, &["a", "n-1", "n-2", "n-3", "c", "n-5", "e"]);
+    check_after_power_cut(
+        &disk,
+        "inbox.db",
+        &["a", "n-1", "n-2", "n-3", "c", "n-5", "e"],
+    );
 
     // Another failed sync, and then the inbox is closed with no transaction after it. As the last connection
     // it checkpoints at close: that copy must not put frames the disk lacks into the database file, where
@@ -224,5 +259,41 @@ fn a_commit_after_a_failed_wal_sync_is_not_acked_until_the_wal_is_written_out_ag
     FAIL_WAL_SYNC.store(false, Ordering::SeqCst);
     drop(relaxed);
     drop(inbox);
-    check_after_power_cut(&disk, &["a", "n-1", "n-2", "n-3", "c", "n-5", "e", "n-4"]);
+    check_after_power_cut(
+        &disk,
+        "inbox.db",
+        &["a", "n-1", "n-2", "n-3", "c", "n-5", "e", "n-4"],
+    );
+
+    // The checkpoint thread's sync of the WAL fails while a transaction of the inbox is open. That sync took
+    // the failure of frames written before (another connection's NORMAL commit), so the commit that follows
+    // them is not durable for certain, although its own sync succeeds: its outcome is unknown, not acked.
+    let path = dir.path().join("threaded.db");
+    let mut inbox = Inbox::open(&path, Config::default().vfs(VFS).wal_autocheckpoint(1)).unwrap();
+    let mut relaxed = Inbox::open(&path, config.synchronous(Synchronous::Normal)).unwrap();
+    HOLD_THREAD_SYNC.store(true, Ordering::SeqCst);
+    // Its commit asks the thread for a checkpoint, whose sync of the WAL is held.
+    assert!(matches!(process(&mut inbox, "t-1"), Outcome::Processed));
+    wait_for(&THREAD_HELD, "the checkpoint thread's sync");
+    assert!(matches!(process(&mut relaxed, "t-n"), Outcome::Processed));
+    FAIL_THREAD_WAL_SYNC.store(true, Ordering::SeqCst);
+    let d = Delivery::new(SCOPE, "t-2", "orders/1", b"x");
+    let err = inbox
+        .process(&d, |tx, d| {
+            RELEASE_THREAD.store(true, Ordering::SeqCst);
+            wait_for(&THREAD_FAILED, "the checkpoint thread's failed sync");
+            // The thread records the error as its checkpoint returns, a moment after the sync.
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            bump(tx, d)
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::CommitUnknown { .. }), "{err:?}");
+    assert!(err.is_retryable());
+    FAIL_THREAD_WAL_SYNC.store(false, Ordering::SeqCst);
+    HOLD_THREAD_SYNC.store(false, Ordering::SeqCst);
+    // Offered again: the next transaction writes the WAL out again first, and finds the commit made.
+    assert!(matches!(process(&mut inbox, "t-2"), Outcome::Duplicate));
+    check_after_power_cut(&disk, "threaded.db", &["t-1", "t-n", "t-2"]);
+    drop(relaxed);
+    drop(inbox);
 }
