@@ -14,7 +14,7 @@ use crate::retention::{
 use crate::store::config::Synchronous;
 use crate::store::db::Db;
 use crate::store::error::{Error, Result};
-use crate::store::txn::{begin, unix_now, write};
+use crate::store::txn::{unix_now, write};
 use crate::store::wal_sync;
 
 use super::DAY;
@@ -212,12 +212,9 @@ impl Inbox {
                 }
             }
             Phase::Checkpoint => {
-                if self.conn.wal_unsynced() {
-                    // After a failed sync, no checkpoint before the WAL is written out again: a transaction
-                    // does that first (or fails with the disk's error, for the next step to try again).
-                    begin(&self.conn)?;
-                    self.conn.execute_batch("ROLLBACK")?;
-                }
+                // After a failed sync, no checkpoint before the WAL is written out again (or the disk's error,
+                // for the next step to try again).
+                self.conn.write_out_unsynced_wal()?;
                 if let Err(e) = checkpoint(&self.conn, opts.truncate_wal) {
                     if let Some(code) = e.sqlite_code() {
                         self.conn.note_if_io_error(code);

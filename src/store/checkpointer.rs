@@ -185,6 +185,18 @@ impl Checkpointer {
         self.shared.take_io_error()
     }
 
+    /// Stops the thread and waits until it has ended (its connection closed).
+    fn join(&mut self) {
+        {
+            let mut w = self.shared.wake.lock().unwrap_or_else(|p| p.into_inner());
+            w.stop = true;
+            self.shared.cv.notify_one();
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
     /// Opens the thread's connection to the inbox at `path` (same VFS and `synchronous` level as the inbox's,
     /// which set how the checkpoint syncs) and starts the thread. `threshold` is the WAL hook's.
     pub(crate) fn start(path: &Path, config: &Config, threshold: i64) -> Result<Checkpointer> {
@@ -210,20 +222,6 @@ impl Checkpointer {
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.shared
-    }
-}
-
-impl Checkpointer {
-    /// Stops the thread and waits until it has ended (its connection closed).
-    fn join(&mut self) {
-        {
-            let mut w = self.shared.wake.lock().unwrap_or_else(|p| p.into_inner());
-            w.stop = true;
-            self.shared.cv.notify_one();
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -562,6 +562,19 @@ impl Db {
         Ok(())
     }
 
+    /// Outside a transaction: if a failed sync flagged the connection, writes the WAL out again now
+    /// ([`Db::recover_unsynced_wal`]), in a write transaction of its own that is then rolled back (it is
+    /// what makes a checkpoint safe again). Its error when that fails.
+    pub(crate) fn write_out_unsynced_wal(&self) -> Result<()> {
+        if !self.wal_unsynced() {
+            return Ok(());
+        }
+        self.begin_immediate()?;
+        let result = self.recover_unsynced_wal();
+        let _ = self.execute_batch("ROLLBACK");
+        result
+    }
+
     /// Before closing: if this connection may be the last, SQLite copies the WAL into the database file as it
     /// closes. After a failed sync that copy would put frames the disk may lack into the database file, torn
     /// from the WAL that recovery replays after a power cut. So the WAL is written out again first (in a
@@ -577,12 +590,7 @@ impl Db {
         if !self.is_autocommit() {
             let _ = self.execute_batch("ROLLBACK");
         }
-        let written = self.begin_immediate().is_ok() && {
-            let r = self.recover_unsynced_wal();
-            let _ = self.execute_batch("ROLLBACK");
-            r.is_ok()
-        };
-        if !written {
+        if self.write_out_unsynced_wal().is_err() {
             let _ = self.set_db_config(
                 rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
                 true,
