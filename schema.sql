@@ -1,4 +1,4 @@
--- edge-inbox schema, version 4.
+-- edge-inbox schema, version 5.
 --
 -- This file is the single source of the schema: `src/schema.rs` runs it on a new database and then sets
 -- `PRAGMA user_version`. A later version adds a forward migration there and bumps the version; this file
@@ -155,9 +155,14 @@ CREATE TABLE messages (
     lease_until  INTEGER,
     last_error   TEXT,
     received_at  INTEGER NOT NULL,
-    finished_at  INTEGER,
-    UNIQUE (scope_id, id_hash)
+    finished_at  INTEGER
 );
+-- One open or dead-lettered body per identity, arbitrated inside the write transaction. Processed bodies, the
+-- bulk of the table, are left out: retention deletes them in seq order, and an index over every row would put
+-- each of those deletes on a leaf of its own (the index is in hash order), dozens of scattered pages per prune
+-- step. A processed body is history: it is found by seq, not by id, and does not hold its identity back from
+-- the identity horizon (which, for a deferred delivery, counts from the day it was processed).
+CREATE UNIQUE INDEX messages_by_id ON messages (scope_id, id_hash) WHERE state IN (0, 2, 3);
 -- Claims and the backlog scan the open (pending or failed) rows in arrival order. The indexes are partial, so
 -- processed rows, the bulk of the table, cost nothing here; an index over every state would be rewritten at
 -- each claim and each completion.

@@ -861,7 +861,7 @@ fn status_of(conn: &Connection, scope: &str, id_hash: &IdHash) -> Result<Status>
     let row = conn
         .prepare_cached(
             "SELECT i.fingerprint, (CASE WHEN i.day < 0 THEN -1 - i.day ELSE i.day END) * 86400, m.state FROM identities i JOIN scopes s ON s.id = i.scope_id \
-             LEFT JOIN messages m ON m.scope_id = i.scope_id AND m.id_hash = i.id_hash \
+             LEFT JOIN messages m ON m.scope_id = i.scope_id AND m.id_hash = i.id_hash AND m.state IN (0, 2, 3) \
              WHERE s.name = ?1 AND i.id_hash = ?2",
         )?
         .query_row((scope, &id_hash.0[..]), |r| {

@@ -727,8 +727,10 @@
 //!   beside the empty schema's fixed pages, measured by `examples/retention_bench.rs`), so every redelivery is
 //!   still a [`Outcome::Duplicate`];
 //! - **identity horizon** (default: forever): when the operator sets one, identities older than it are deleted,
-//!   counted (`identities_pruned`) and logged. An identity whose stored message still exists (pending, failed,
-//!   or a processed or dead-lettered body not yet pruned) is never deleted. The horizon must cover every way an
+//!   counted (`identities_pruned`) and logged. An identity whose stored message is still open (pending or
+//!   failed) or dead-lettered is never deleted. For a deferred delivery the horizon counts from the day it was
+//!   processed; a processed body kept longer than the horizon does not hold its identity back (processed bodies
+//!   are not indexed by id, so that pruning them writes few pages). The horizon must cover every way an
 //!   old message can come back: the broker's retention of queued messages, relays and bridges that republish,
 //!   dead-letter queues that are replayed, restores from backups, and deliberate replays;
 //! - **after the horizon**: the scope records the bound [`Inbox::pruned_before`]. A delivery whose

@@ -565,8 +565,8 @@ fn a_file_of_schema_version_3_is_migrated_to_bounded_merged_records() {
     drop(ro);
 
     let mut inbox = Inbox::open(&path, Config::default()).unwrap();
-    assert_eq!(edge_inbox::SCHEMA_VERSION, 4);
-    assert_eq!(count(inbox.connection(), "PRAGMA user_version"), 4);
+    assert_eq!(edge_inbox::SCHEMA_VERSION, 5);
+    assert_eq!(count(inbox.connection(), "PRAGMA user_version"), 5);
     // Conflicts merged per (identity, received content), arrivals and times kept.
     let conflicts = inspect::conflicts(inbox.connection(), Some("s"), 10).unwrap();
     let merged: Vec<(u64, i64, i64)> = conflicts

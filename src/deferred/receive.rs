@@ -205,24 +205,16 @@ fn store_pending(
     match insert.execute(row) {
         Ok(_) => Ok(Outcome::Received),
         Err(e) if is_unique_violation(&e) => {
-            // A body without an identity: retention pruned the identity of a processed message (the door is
-            // open again by design: replace the old body), or something deleted the identity of an open one
-            // (its obligation already exists: a duplicate).
-            let replaced = conn
-                .prepare_cached(
-                    "DELETE FROM messages WHERE scope_id = ?1 AND id_hash = ?2 AND state = 1",
-                )?
-                .execute((scope_id, &id_hash.0[..]))?;
-            if replaced == 0 {
-                log::warn!(
-                    "scope {}: message {:?} has an open body but no identity; identity restored, not stored again",
-                    d.scope,
-                    d.message_id
-                );
-                return Ok(Outcome::Duplicate);
-            }
-            insert.execute(row)?;
-            Ok(Outcome::Received)
+            // An open or dead-lettered body without an identity (something deleted the identity): its
+            // obligation already exists, a duplicate. A processed body of the same id (its identity pruned by
+            // the horizon: the door is open again by design) is not in the index and stays as history.
+            log::warn!(
+                "scope {}: message {:?} has an open or dead-lettered body but no identity; identity restored, \
+                 not stored again",
+                d.scope,
+                d.message_id
+            );
+            Ok(Outcome::Duplicate)
         }
         Err(e) => Err(e.into()),
     }

@@ -677,6 +677,7 @@ fn apply_claims<H: Handler>(
         let d = c.delivery(scope);
         // A body moved here by a dead-letter path may lack its identity (a failed strong-case attempt rolls it
         // back): restore it, so a redelivery after this commit is a duplicate.
+        let day = crate::inbox::stored_day(conn, now, c.sent_at.is_some());
         let restored = conn
             .prepare_cached(
                 "INSERT OR IGNORE INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, ?3, ?4)",
@@ -685,8 +686,17 @@ fn apply_claims<H: Handler>(
             scope_id,
             &c.id_hash.0[..],
             Fingerprint::of(&c.topic, &c.payload).to_sql(),
-            crate::inbox::stored_day(conn, now, c.sent_at.is_some()),
+            day,
         ))?;
+        if restored == 0 && day >= 0 {
+            // The horizon counts from the day the effect is committed: once processed, the body no longer holds
+            // the identity back (see `schema.sql`), and a message that waited days (retries, a requeued dead
+            // letter) must keep its identity a full horizon from now. Writes only when the day changed.
+            conn.prepare_cached(
+                "UPDATE identities SET day = ?3 WHERE scope_id = ?1 AND id_hash = ?2 AND day >= 0 AND day < ?3",
+            )?
+            .execute((scope_id, &c.id_hash.0[..], day))?;
+        }
 
         let err = match run_handler(conn, &d, scope_id, now, handler, buf, &failure)? {
             Ok(()) => {

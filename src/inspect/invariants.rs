@@ -19,7 +19,9 @@ pub struct Breach {
     /// Which invariant:
     ///
     /// - `message_without_identity`: a stored message whose identity is not recorded (no identity row, and in a
-    ///   scope with sequence watermarks no claim of its sequence): a redelivery would be taken as new.
+    ///   scope with sequence watermarks no claim of its sequence): a redelivery would be taken as new. A
+    ///   processed body in a scope whose identity horizon has pruned is not counted: its identity may have
+    ///   gone before it, by design.
     /// - `outbox_without_scope`: an outbox row of a scope that does not exist.
     /// - `counters_disagree`: the scope's counters cannot be right: one is negative, its counter row is
     ///   missing, or its identity rows are fewer than the rows counted as not processed by the strong case
@@ -73,6 +75,7 @@ pub fn check_invariants(
         "SELECT s.name, count(*), 'message seq ' || min(m.seq) || ' (message id ' || quote(min(m.message_id)) || ')' \
          FROM messages m LEFT JOIN scopes s ON s.id = m.scope_id LEFT JOIN retention r ON r.scope_id = m.scope_id \
          WHERE NOT EXISTS (SELECT 1 FROM identities i WHERE i.scope_id = m.scope_id AND i.id_hash = m.id_hash) \
+         AND NOT (m.state = 1 AND r.pruned_before IS NOT NULL) \
          AND coalesce(r.watermarks = 1 AND m.producer IS NOT NULL AND m.sequence >= r.first_sequence AND ( \
            EXISTS (SELECT 1 FROM watermarks w WHERE w.scope_id = m.scope_id AND w.producer = m.producer \
                    AND w.high >= m.sequence) \

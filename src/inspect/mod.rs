@@ -241,7 +241,8 @@ pub struct PrunePreview {
     pub payloads_due: u64,
     /// Dead letters past their age.
     pub dead_letters_due: u64,
-    /// Identities past the identity horizon whose stored message is gone or due as well.
+    /// Identities past the identity horizon with no open or dead-lettered message, or whose dead letter is due as
+    /// well.
     pub identities_due: u64,
     /// Quarantine records whose last arrival is older than the record age.
     pub quarantine_due: u64,
@@ -536,13 +537,25 @@ pub fn identity(
     let id_hash = IdHash::keyed(&crate::store::schema::id_key(conn)?, producer, message_id);
     snapshot(conn, || {
         let st = status(conn, scope, producer, message_id)?;
-        let message = conn
+        let open = conn
             .prepare_cached(&format!(
                 "SELECT {MESSAGE_COLUMNS} FROM messages m JOIN scopes s ON s.id = m.scope_id \
-                 WHERE s.name = ?1 AND m.id_hash = ?2"
+                 WHERE s.name = ?1 AND m.id_hash = ?2 AND m.state IN (0, 2, 3)"
             ))?
             .query_row((scope, &id_hash.0[..]), message_row)
             .optional()?;
+        let message = match open {
+            Some(m) => Some(m),
+            // Processed bodies are not indexed by id (see `schema.sql`): an operator's lookup scans for the
+            // latest one, newest first.
+            None => conn
+                .prepare_cached(&format!(
+                    "SELECT {MESSAGE_COLUMNS} FROM messages m JOIN scopes s ON s.id = m.scope_id \
+                     WHERE s.name = ?1 AND m.id_hash = ?2 AND m.state = 1 ORDER BY m.seq DESC LIMIT 1"
+                ))?
+                .query_row((scope, &id_hash.0[..]), message_row)
+                .optional()?,
+        };
         let conflicts: i64 = conn
             .prepare_cached(
                 "SELECT count(*) FROM conflicts c JOIN scopes s ON s.id = c.scope_id \
@@ -708,7 +721,7 @@ pub fn prune_preview(conn: &Connection, now: i64) -> Result<Vec<PrunePreview>> {
                     .prepare_cached(&format!(
                         "SELECT count(*) FROM identities i WHERE i.scope_id = ?1 AND i.day >= ?6 AND i.day < ?5 AND NOT EXISTS ( \
                            SELECT 1 FROM messages m WHERE m.scope_id = ?1 AND m.id_hash = i.id_hash \
-                           AND NOT ({DUE}))"
+                           AND m.state IN (0, 2, 3) AND NOT ({DUE}))"
                     ))?
                     .query_row(
                         (

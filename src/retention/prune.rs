@@ -71,8 +71,9 @@ impl Inbox {
     /// `BEGIN IMMEDIATE` transaction. Call it repeatedly (or use [`Inbox::prune`]) until the report says
     /// `done`; the next call starts a new pass.
     ///
-    /// Pending and failed messages are never deleted, and an identity is deleted only once no stored message
-    /// refers to it any more.
+    /// Pending and failed messages are never deleted, and an identity is deleted only once no pending, failed or
+    /// dead-lettered message refers to it any more (a processed body is history: its identity follows the
+    /// horizon alone).
     ///
     /// After its transaction, a step that left the WAL [`Pruning::checkpoint_pages`] long copies it back
     /// itself (PASSIVE, and RESTART when needed; [`PruneReport::checkpoints`]), so that consumers on the file
@@ -362,7 +363,8 @@ impl Inbox {
                 .prepare_cached(
                     "DELETE FROM identities AS i WHERE i.scope_id = ?1 AND i.id_hash > ?2 AND i.id_hash <= ?3 \
                      AND i.day >= 0 AND i.day < ?4 AND NOT EXISTS ( \
-                       SELECT 1 FROM messages m WHERE m.scope_id = ?1 AND m.id_hash = i.id_hash) \
+                       SELECT 1 FROM messages m WHERE m.scope_id = ?1 AND m.id_hash = i.id_hash \
+                       AND m.state IN (0, 2, 3)) \
                      RETURNING day",
                 )?
                 .query_map((scope_id, after, &upper[..], cutoff_day), |r| r.get::<_, i64>(0))?

@@ -119,7 +119,10 @@ pub enum Status {
         fingerprint: Fingerprint,
         /// Commit time, Unix seconds, rounded down to the UTC day (identities keep day precision to stay compact).
         at: i64,
-        /// State of the stored message body, when one is kept (received-then-deferred mode).
+        /// State of the stored message body while it is open (pending or failed) or dead-lettered
+        /// (received-then-deferred mode). `None` when no such body exists: the delivery's effect is committed
+        /// (by the strong case, or a deferred message was processed), or a dead letter's body was pruned.
+        /// Processed bodies are not looked up here (they are not indexed by id); `inboxctl show` finds one.
         state: Option<MessageState>,
     },
 }

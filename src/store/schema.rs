@@ -13,7 +13,7 @@ use crate::store::error::{extended_code, Error, Result};
 pub(crate) const SCHEMA: &str = include_str!("../../schema.sql");
 
 /// Version of the schema in `schema.sql` that this build creates and reads, stored in `PRAGMA user_version`.
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
 
 /// One forward migration: SQL, or code for what SQL cannot do.
 enum Migration {
@@ -44,6 +44,26 @@ const MIGRATIONS: &[Migration] = &[
     // 3 -> 4: bounded, deduplicated quarantine and conflict records, their retention, and message ids
     // recognised under any sequence in the watermark window.
     Migration::Code(migrate_3_to_4),
+    // 4 -> 5: processed bodies leave the index by id (see `schema.sql`, `messages_by_id`). The table is built
+    // again: its inline UNIQUE constraint cannot be dropped. The rows and their seq are kept as they are.
+    Migration::Sql(
+        "CREATE TABLE messages_v5 (seq INTEGER PRIMARY KEY, scope_id INTEGER NOT NULL, id_hash BLOB NOT NULL, \
+           producer TEXT, message_id TEXT NOT NULL, topic TEXT NOT NULL, payload BLOB, sequence INTEGER, \
+           sent_at INTEGER, order_key TEXT, state INTEGER NOT NULL CHECK (state IN (0, 1, 2, 3)), \
+           attempts INTEGER NOT NULL DEFAULT 0, claims INTEGER NOT NULL DEFAULT 0, \
+           not_before INTEGER NOT NULL DEFAULT 0, lease_owner TEXT, lease_until INTEGER, last_error TEXT, \
+           received_at INTEGER NOT NULL, finished_at INTEGER); \
+         INSERT INTO messages_v5 SELECT seq, scope_id, id_hash, producer, message_id, topic, payload, sequence, \
+           sent_at, order_key, state, attempts, claims, not_before, lease_owner, lease_until, last_error, \
+           received_at, finished_at FROM messages ORDER BY seq; \
+         DROP TABLE messages; \
+         ALTER TABLE messages_v5 RENAME TO messages; \
+         CREATE UNIQUE INDEX messages_by_id ON messages (scope_id, id_hash) WHERE state IN (0, 2, 3); \
+         CREATE INDEX messages_open ON messages (scope_id, seq) WHERE state IN (0, 2); \
+         CREATE INDEX messages_dead ON messages (scope_id, seq) WHERE state = 3; \
+         CREATE INDEX messages_open_by_key ON messages (scope_id, order_key, seq) \
+           WHERE state IN (0, 2) AND order_key IS NOT NULL;",
+    ),
 ];
 
 const _: () = assert!(MIGRATIONS.len() as i64 == SCHEMA_VERSION - 1);
