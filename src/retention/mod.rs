@@ -105,7 +105,9 @@ impl RetentionPolicy {
         Self::default()
     }
 
-    /// Delete stored messages in state *processed* this long after they finished. Their identities stay.
+    /// Delete stored messages in state *processed* this long after they finished. Their identities stay (an
+    /// [identity horizon](Self::identity_horizon), if set, applies to them on its own: a processed body kept
+    /// longer than the horizon does not hold its identity back).
     pub fn processed_payloads(mut self, age: Duration) -> Self {
         self.processed_payloads = Some(age);
         self
