@@ -45,7 +45,8 @@ const MIGRATIONS: &[Migration] = &[
     // recognised under any sequence in the watermark window.
     Migration::Code(migrate_3_to_4),
     // 4 -> 5: processed bodies leave the index by id (see `schema.sql`, `messages_by_id`). The table is built
-    // again: its inline UNIQUE constraint cannot be dropped. The rows and their seq are kept as they are.
+    // again: its inline UNIQUE constraint cannot be dropped. The rows and their seq are kept as they are. On a
+    // file with many bodies the first open by this version copies the whole table once, through the WAL.
     Migration::Sql(
         "CREATE TABLE messages_v5 (seq INTEGER PRIMARY KEY, scope_id INTEGER NOT NULL, id_hash BLOB NOT NULL, \
            producer TEXT, message_id TEXT NOT NULL, topic TEXT NOT NULL, payload BLOB, sequence INTEGER, \
