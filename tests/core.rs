@@ -664,6 +664,19 @@ fn settings_are_applied_and_file_is_private() {
         .query_row("PRAGMA synchronous", [], |r| r.get(0))
         .unwrap();
     assert_eq!(sync, 1);
+    drop(normal);
+
+    // The page cache: 512 KiB by default, as configured, and never below 64 KiB.
+    let cache = |config: Config| -> i64 {
+        Inbox::open(dir.path().join("inbox.db"), config)
+            .unwrap()
+            .connection()
+            .query_row("PRAGMA cache_size", [], |r| r.get(0))
+            .unwrap()
+    };
+    assert_eq!(cache(Config::default()), -512);
+    assert_eq!(cache(Config::default().cache_size(3 << 20)), -3072);
+    assert_eq!(cache(Config::default().cache_size(1000)), -64);
 }
 
 #[test]

@@ -233,6 +233,8 @@ pub(crate) fn open_for_checkpoints(path: &Path, config: &Config) -> Result<Conne
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = connect(path, flags, config)?;
     apply_settings(&conn, config)?;
+    // A checkpoint copies frames through a buffer of its own, not through the page cache.
+    set_cache_kib(&conn, CHECKPOINT_CACHE_KIB)?;
     // Reads the schema, which opens the WAL and its index for the checkpoints.
     conn.query_row("SELECT count(*) FROM sqlite_master", [], |r| {
         r.get::<_, i64>(0)
@@ -342,6 +344,27 @@ fn set_wal(conn: &Connection) -> Result<()> {
     Ok(())
 }
 
+/// The smallest page cache [`Config::cache_size`] sets, and the checkpoint thread's.
+const MIN_CACHE_KIB: usize = 64;
+const CHECKPOINT_CACHE_KIB: usize = MIN_CACHE_KIB;
+
+/// Sets the page cache's limit in KiB (a negative `cache_size`), read back.
+fn set_cache_kib(conn: &Connection, kib: usize) -> Result<()> {
+    let wanted = -i64::try_from(kib).unwrap_or(i64::MAX);
+    conn.execute_batch(&format!("PRAGMA cache_size = {wanted}"))
+        .map_err(Error::from)?;
+    let got: i64 = conn
+        .query_row("PRAGMA cache_size", [], |r| r.get(0))
+        .map_err(Error::from)?;
+    if got != wanted {
+        return Err(Error::Setting {
+            wanted: format!("cache_size={wanted}"),
+            got: got.to_string(),
+        });
+    }
+    Ok(())
+}
+
 /// Per-connection settings, each read back: a silently ignored pragma would void the durability promise.
 fn apply_settings(conn: &Connection, config: &Config) -> Result<()> {
     let wanted = config.synchronous.pragma_value();
@@ -358,6 +381,7 @@ fn apply_settings(conn: &Connection, config: &Config) -> Result<()> {
     }
     conn.execute_batch("PRAGMA foreign_keys = ON")
         .map_err(Error::from)?;
+    set_cache_kib(conn, (config.cache_bytes / 1024).max(MIN_CACHE_KIB))?;
     let limit: i64 = conn
         .query_row(
             &format!("PRAGMA journal_size_limit = {}", config.journal_size_limit),
