@@ -304,6 +304,7 @@ fn an_unpaced_flood_holds_no_more_than_the_memory_budget() {
     // grows as new paths run), so only the budget, checked exactly above, is asserted there.
     let grown = figure("after=").saturating_sub(figure("before="));
     let flood_kib = (n as u64 * 1024) >> 10;
+    println!("peak RSS grew by {grown} KiB draining {flood_kib} KiB");
     assert!(
         common::emulated() || grown < flood_kib * 3 / 4 + 12 * 1024,
         "peak memory grew by {grown} KiB while draining a flood of {flood_kib} KiB with a budget of 256 KiB"
@@ -335,4 +336,95 @@ fn run_child(name: &str, port: u16, db: &std::path::Path) -> String {
     );
     println!("{stdout}");
     stdout
+}
+
+/// The application's own connection, with a request channel of 4 (rumqttc's `cap`) that a flood keeps full
+/// of PUBACKs: the commit thread keeps the acks waiting, in order, and goes on committing, instead of taking
+/// in deliveries beyond the budget to keep the connection's side polling. Every delivery is processed once
+/// and acked, in the order it arrived.
+#[test]
+fn a_request_channel_full_of_acks_holds_no_deliveries_beyond_the_budget() {
+    use edge_inbox::ConsumerCore;
+    use rumqttc::v5::mqttbytes::v5::Packet;
+    use rumqttc::v5::mqttbytes::QoS;
+    use rumqttc::v5::{Client, Event, MqttOptions};
+
+    if broker::mosquitto_exe().is_none() && broker::selected() != broker::Kind::Mosquitto {
+        println!("skipped: {}", broker::MOSQUITTO_MISSING);
+        return;
+    }
+    let broker = Broker::mosquitto_with(u16::MAX);
+    let options = || {
+        let mut o = MqttOptions::new("own-tiny-channel", "127.0.0.1", broker.port);
+        o.set_clean_start(false)
+            .set_manual_acks(true)
+            .set_keep_alive(Duration::from_secs(30));
+        o.set_session_expiry_interval(Some(3600));
+        o
+    };
+    // The session and its subscription first, so that the flood is queued for it.
+    {
+        let (client, mut conn) = Client::new(options(), 4);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            assert!(Instant::now() < deadline, "no SUBACK");
+            match conn.recv_timeout(Duration::from_millis(200)) {
+                Ok(Ok(Event::Incoming(Packet::ConnAck(_)))) => {
+                    client.try_subscribe("tiny/#", QoS::AtLeastOnce).unwrap()
+                }
+                Ok(Ok(Event::Incoming(Packet::SubAck(_)))) => break,
+                _ => {}
+            }
+        }
+        client.try_disconnect().unwrap();
+        while let Ok(Ok(_)) = conn.recv_timeout(Duration::from_millis(200)) {}
+    }
+    let n = common::scaled(4000);
+    let msgs: Vec<Msg> = (0..n)
+        .map(|i| Msg::new("tiny/a", Some(&format!("tiny-{i}")), vec![b'x'; 1024]))
+        .collect();
+    publish_v5(broker.port, &msgs);
+    drop(msgs);
+
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    let budget = 64 << 10;
+    let (client, mut conn) = Client::new(options(), 4);
+    let (mut feed, commits) = ConsumerCore::new(inbox, SCOPE)
+        .memory_budget(budget)
+        .spawn(trivial_handler, client.clone(), u16::MAX)
+        .unwrap();
+    let (mut received, mut acked) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while acked.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} received, {} acked",
+            received.len(),
+            acked.len()
+        );
+        match conn.recv_timeout(Duration::from_millis(100)) {
+            Ok(Ok(Event::Incoming(Packet::ConnAck(ack)))) => {
+                feed.connected(ack.session_present).unwrap();
+            }
+            Ok(Ok(Event::Incoming(Packet::Publish(p)))) => {
+                received.push(p.pkid);
+                feed.publish_v5(p).unwrap();
+            }
+            Ok(Ok(Event::Outgoing(rumqttc::Outgoing::PubAck(pkid)))) => acked.push(pkid),
+            Ok(Err(e)) => panic!("connection error: {e}"),
+            _ => {}
+        }
+    }
+    commits.stop();
+    let (_, summary) = commits.join();
+    let summary = summary.unwrap();
+    assert_eq!(summary.processed, n as u64, "{summary:?}");
+    assert_eq!(acked, received, "PUBACKs in the order of the deliveries");
+    let one = 1024 + 1024;
+    assert!(
+        summary.peak_held_bytes <= (budget + one) as u64,
+        "held {} bytes at most with a budget of {budget}",
+        summary.peak_held_bytes
+    );
 }

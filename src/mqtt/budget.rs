@@ -80,9 +80,8 @@ impl Budget {
         self.0.freed.notify_all();
     }
 
-    /// Lifts the limit: the commit loop cannot queue an ack because the client's request channel is full,
-    /// and only the reading side, which may be waiting here, drains it (rumqttc serves one request per
-    /// network read of up to ten packets, so under a flood its request channel can fill).
+    /// Lifts the limit: the commit loop has stopped committing and waits to queue its last acks, and only the
+    /// reading side, which may be waiting here, drains the client's request channel.
     pub(crate) fn lend(&self) {
         let mut s = self.lock();
         s.lent = true;
@@ -103,10 +102,6 @@ impl Budget {
     /// The most held at once so far, in bytes.
     pub(crate) fn peak(&self) -> usize {
         self.lock().peak
-    }
-
-    pub(crate) fn limit(&self) -> usize {
-        self.0.limit
     }
 }
 

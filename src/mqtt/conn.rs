@@ -10,7 +10,6 @@ use rumqttc::v5::mqttbytes::v5 as p5;
 use rumqttc::v5::mqttbytes::QoS as Q5;
 use rumqttc::{QoS, TlsConfiguration, Transport};
 
-use crate::mqtt::budget::DELIVERY_OVERHEAD;
 use crate::mqtt::driver::Feed;
 use crate::mqtt::gate::PubAckSender;
 use crate::mqtt::tls::TlsConfig;
@@ -215,8 +214,9 @@ const MQTT_MAX_PACKET: u32 = 268_435_455 + 5;
 /// The default of [`MqttConfig::inflight`], as the consumer derives it from its default budget.
 const DEFAULT_INFLIGHT: u16 = 8192;
 
-/// The least room in rumqttc's request channel (PUBACKs, subscriptions, the DISCONNECT).
-const REQUEST_CHANNEL_MIN: usize = 1024;
+/// Room in rumqttc's request channel (PUBACKs, subscriptions, the DISCONNECT): at 50,000 acks per second
+/// 20 ms of them, and at most 216 KiB.
+const REQUEST_CHANNEL: usize = 1024;
 
 /// Outgoing publishes a consumer's connection may have in flight: it sends none. (rumqttc then hands out
 /// packet id 1 to every SUBSCRIBE; the consumer sends one SUBSCRIBE per connection, so no two are in flight.)
@@ -228,17 +228,11 @@ pub(crate) fn start(
     config: &MqttConfig,
     feed: Feed,
     closing: Arc<AtomicBool>,
-    budget: usize,
 ) -> std::io::Result<(Client, JoinHandle<()>)> {
-    // rumqttc's request channel carries our PUBACKs. Roomy (it grows only as used) so queueing one almost
-    // never fails: when it is full the consumer must drain deliveries into memory to keep the poll thread
-    // moving, and a broker that sends beyond our Receive Maximum (mosquitto 2.0.11 does, with a queue
-    // behind the window) would then fill that memory instead of waiting in its own socket buffer.
-    // Room for the PUBACK of every delivery the memory budget admits, too: the poll thread may be waiting for
-    // room in the budget, not draining this channel.
-    let cap = (usize::from(config.inflight) * 4)
-        .max(budget / DELIVERY_OVERHEAD + REQUEST_CHANNEL_MIN)
-        .max(REQUEST_CHANNEL_MIN);
+    // rumqttc's request channel carries our PUBACKs: 216 bytes each, and its queue keeps the largest size
+    // it reached. When it is full the commit loop keeps the acks (16 bytes each) and goes on committing, so
+    // the room it frees in the budget keeps this thread polling, and polling drains the channel.
+    let cap = REQUEST_CHANNEL;
     let topics = config.topics.clone();
     let name = format!("mqtt-poll-{}", config.client_id);
     // TCP_NODELAY on both protocols: a committed batch's PUBACKs are written back to back, and with Nagle's

@@ -222,10 +222,9 @@ impl Consumer {
         let budget = Budget::new(self.core.memory_budget);
         let (feed, rx) = driver::channel(gate.clone(), budget.clone());
         let closing = Arc::new(AtomicBool::new(false));
-        let (client, poller) = mqtt_conn::start(&mqtt, feed, closing.clone(), budget.limit())
-            .map_err(|e| {
-                Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}"))
-            })?;
+        let (client, poller) = mqtt_conn::start(&mqtt, feed, closing.clone()).map_err(|e| {
+            Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}"))
+        })?;
         log::info!(
             "consumer for scope {} starting: {:?}",
             self.core.scope(),

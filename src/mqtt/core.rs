@@ -389,6 +389,11 @@ impl ConsumerCore {
         self.ready.pop_front()
     }
 
+    /// Puts back an ack taken with [`ConsumerCore::pop_ack`] that could not be queued yet: it stays first.
+    pub(crate) fn unpop_ack(&mut self, ack: Ack) {
+        self.ready.push_front(ack);
+    }
+
     /// Acks waiting to be taken with [`ConsumerCore::pop_ack`].
     pub fn acks_ready(&self) -> usize {
         self.ready.len()

@@ -57,11 +57,12 @@ impl std::error::Error for FeedClosed {}
 /// [`Feed::publish`] blocks while the deliveries handed over and not yet committed hold more than the memory
 /// budget ([`ConsumerCore::memory_budget`], 2 MiB by default; the `Consumer`'s is
 /// [`Consumer::memory_budget`](crate::Consumer::memory_budget)): the caller stops polling the event loop, so
-/// nothing more is read from the socket and TCP pushes back on the broker. One exception, so that this never
-/// deadlocks: while the client's request channel is full of acks and only this caller can drain it (by
-/// polling), the limit is lifted until an ack can be queued again, and what the broker sends beyond our
-/// window meanwhile is held. Give the client a request channel larger than the window (rumqttc's `cap`) and
-/// that never happens with a broker that keeps to the window. A handler that panics closes the feed: a
+/// nothing more is read from the socket and TCP pushes back on the broker. This never deadlocks on the
+/// client's request channel, which only this caller drains (by polling): while it is full of acks, the commit
+/// thread keeps the next acks (16 bytes each, in order) and goes on committing, and the room that frees in
+/// the budget brings this caller back to polling. Only while a stopping commit thread waits to queue its last
+/// acks is the limit lifted (at most 10 s). A request channel (rumqttc's `cap`) of about a thousand is enough:
+/// rumqttc's queue keeps the largest size it reached, at 216 bytes a request in MQTT 5. A handler that panics closes the feed: a
 /// caller waiting here is let go. On an async executor, wrap it in an `AsyncFeed` (feature `tokio`), which
 /// waits on the blocking pool, or keep the event loop on a thread of its own.
 pub struct Feed {
@@ -237,8 +238,6 @@ pub(crate) struct Driver<'a, S: PubAckSender> {
     pub(crate) exit_when_idle: Option<Duration>,
     /// The inflight window: how many unacked deliveries the broker may send.
     pub(crate) window: usize,
-    /// Events drained from the channel while waiting to queue an ack, in arrival order.
-    backlog: VecDeque<Event>,
     overfed_warned: Option<ConnectionId>,
     budget: Budget,
     /// The budget's bytes of each delivery the core holds, in arrival order (the core lets go of its
@@ -272,7 +271,6 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
             gate,
             sender,
             window,
-            backlog: VecDeque::new(),
             overfed_warned: None,
         }
     }
@@ -282,12 +280,14 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         let mut last_activity = Instant::now();
         let mut connections_seen = self.core.summary.connections;
         let mut backlog_checked = Instant::now();
+        let mut acks_waiting = false;
         let stop = self.core.stop.clone();
         let _running = self.core.health.running();
         loop {
             self.core.health.turn();
             self.core.publish_stats();
             if stop.is_stopped() {
+                self.finish_acks();
                 return Ok(End::Stopped);
             }
             if let Some(threshold) = &self.core.receive_only {
@@ -302,14 +302,22 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                     }
                 }
             }
-            let closed = self.collect(&stop)?;
+            // Acks that found rumqttc's request channel full are tried again after a short wait; meanwhile
+            // the loop goes on committing, so that the budget's room keeps the poll side polling (it is the
+            // only one that drains that channel).
+            let first_wait = if acks_waiting {
+                Duration::from_millis(1)
+            } else {
+                Duration::from_millis(100)
+            };
+            let closed = self.collect(first_wait)?;
             if self.core.unsettled() > 0 {
                 let settled = self.core.settle(handler);
                 self.release_settled();
                 settled?;
                 last_activity = Instant::now();
             }
-            self.send_acks(&stop);
+            acks_waiting = self.send_acks();
             if closed && self.core.unsettled() == 0 {
                 return Ok(End::Closed);
             }
@@ -321,6 +329,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
             }
             if let Some(idle) = self.exit_when_idle {
                 if self.core.unsettled() == 0 && last_activity.elapsed() >= idle {
+                    self.finish_acks();
                     log::info!("idle for {idle:?}: stopping");
                     return Ok(End::Idle);
                 }
@@ -328,24 +337,25 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         }
     }
 
-    /// Applies events to the core until a batch is held: waits up to 100 ms for the first, then takes what
-    /// is already queued, waiting up to the linger (if any) for more. True when the feed is gone.
-    fn collect(&mut self, stop: &StopHandle) -> Result<bool> {
+    /// Applies events to the core until a batch is held: waits up to `first_wait` for the first, then takes
+    /// what is already queued, waiting up to the linger (if any) for more. True when the feed is gone.
+    fn collect(&mut self, first_wait: Duration) -> Result<bool> {
+        let stop = self.core.stop.clone();
         let size = self.core.batch_size;
         let linger = self.core.linger;
         let mut deadline: Option<Instant> = None;
         while self.core.unsettled() < size {
             let wait = match deadline {
-                None => Duration::from_millis(100),
+                None => first_wait,
                 Some(d) => d.saturating_duration_since(Instant::now()),
             };
-            let next = match self.backlog.pop_front() {
-                Some(e) => Ok(e),
-                None if wait.is_zero() => self.rx.try_recv().map_err(|e| match e {
+            let next = if wait.is_zero() {
+                self.rx.try_recv().map_err(|e| match e {
                     TryRecvError::Empty => RecvTimeoutError::Timeout,
                     TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
-                }),
-                None => self.rx.recv_timeout(wait),
+                })
+            } else {
+                self.rx.recv_timeout(wait)
             };
             let event = match next {
                 Ok(e) => e,
@@ -382,7 +392,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                 } => {
                     self.core.pass_through(connection, packet_id);
                     if self.core.unsettled() == 0 {
-                        self.send_acks(stop);
+                        self.send_acks();
                     }
                 }
                 Event::Failed(e) => return Err(e),
@@ -394,47 +404,49 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         Ok(false)
     }
 
-    /// Queues every ready ack through the gate, in order, draining incoming events into the backlog while
-    /// rumqttc's request channel is full. Once the connection has ended the rest stay unacked (the broker
-    /// redelivers them). A stop does not end the wait (the batch's acks go out first), but bounds it.
-    fn send_acks(&mut self, stop: &StopHandle) {
-        let mut stopping_since: Option<Instant> = None;
-        let mut lent = false;
+    /// Queues the ready acks through the gate, in order, until rumqttc's request channel is full. True when
+    /// some are left for the next try: they wait in the core (an ack is 16 bytes there, a request in
+    /// rumqttc's channel 216), not the deliveries behind them. Once the connection has ended the rest stay
+    /// unacked (the broker redelivers them).
+    fn send_acks(&mut self) -> bool {
         while let Some(ack) = self.core.pop_ack() {
-            loop {
-                match self.gate.send(self.sender, ack) {
-                    AckSent::Sent => {
-                        self.core.summary.acked += 1;
-                        if lent {
-                            lent = false;
-                            self.budget.restore();
-                        }
-                        break;
-                    }
-                    AckSent::Stale => return self.drop_stale_acks(),
-                    AckSent::Full => {}
+            match self.gate.send(self.sender, ack) {
+                AckSent::Sent => self.core.summary.acked += 1,
+                AckSent::Stale => {
+                    self.core.unpop_ack(ack);
+                    self.drop_unsent_acks("the connection ended before the acks");
+                    return false;
                 }
-                if stop.is_stopped() {
-                    let since = *stopping_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() >= STOP_WAIT {
-                        return self.drop_stale_acks();
-                    }
-                }
-                match self.rx.try_recv() {
-                    Ok(e) => {
-                        self.backlog.push_back(e);
-                        self.warn_if_overfed(ack.connection);
-                    }
-                    Err(TryRecvError::Empty) => {
-                        // The reading side may be waiting for room in the budget, not polling.
-                        lent = true;
-                        self.budget.lend();
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    Err(TryRecvError::Disconnected) => return self.drop_stale_acks(),
+                AckSent::Full => {
+                    self.core.unpop_ack(ack);
+                    self.warn_if_overfed(ack.connection);
+                    return true;
                 }
             }
         }
+        false
+    }
+
+    /// Before the loop ends: queues the acks still waiting for room, for at most [`STOP_WAIT`]. The limit of
+    /// the budget is lifted meanwhile: the side that drains rumqttc's channel may be waiting for room in it,
+    /// and nothing is committed any more to make room.
+    fn finish_acks(&mut self) {
+        let started = Instant::now();
+        while self.send_acks() {
+            if started.elapsed() >= STOP_WAIT {
+                self.drop_unsent_acks("the MQTT client's request channel stayed full");
+                break;
+            }
+            self.budget.lend();
+            // Never committed here: left unacked for the broker to redeliver, and dropped rather than held.
+            while let Ok(event) = self.rx.try_recv() {
+                if let Event::Publish { inbound, .. } = &event {
+                    self.budget.release(budget::held_size(inbound));
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.budget.restore();
     }
 
     /// Gives the budget back the bytes of the deliveries the core no longer holds.
@@ -446,30 +458,27 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         self.budget.release(freed);
     }
 
-    fn drop_stale_acks(&mut self) {
-        self.budget.restore();
-        let mut left = 1;
+    fn drop_unsent_acks(&mut self, why: &str) {
+        let mut left = 0;
         while self.core.pop_ack().is_some() {
             left += 1;
         }
-        log::info!(
-            "the connection ended before the acks: leaving {left} settled deliveries unacked; the broker \
-             redelivers them"
-        );
+        log::info!("{why}: leaving {left} settled deliveries unacked; the broker redelivers them");
         self.core.summary.dropped_stale += left;
     }
 
-    /// More deliveries held unacked than the inflight window allows: the broker does not wait for our
-    /// PUBACKs (MQTT 5 Receive Maximum, or the 3.1.1 window configured). They are kept in memory until
-    /// committed, so memory grows with the broker's backlog; said once per connection.
+    /// More deliveries unacked than the inflight window allows: the broker does not wait for our PUBACKs
+    /// (MQTT 5 Receive Maximum, or the 3.1.1 window configured). The budget still bounds the deliveries
+    /// held, but every one committed keeps an ack waiting (16 bytes) until the client's event loop sends
+    /// it; said once per connection.
     fn warn_if_overfed(&mut self, connection: ConnectionId) {
-        if self.backlog.len() > self.window && self.overfed_warned != Some(connection) {
+        let unacked = self.core.acks_ready() + self.core.unsettled();
+        if unacked > self.window && self.overfed_warned != Some(connection) {
             self.overfed_warned = Some(connection);
             log::warn!(
-                "{} deliveries wait unacked in memory, more than the inflight window of {}: the broker does \
-                 not wait for our PUBACKs (it ignores the window), so memory grows with its backlog until \
-                 the commits catch up",
-                self.backlog.len(),
+                "{unacked} deliveries wait unacked, more than the inflight window of {}: the broker does not \
+                 wait for our PUBACKs (it ignores the window), and the MQTT client sends them more slowly \
+                 than it reads",
                 self.window
             );
         }
