@@ -54,6 +54,9 @@ struct Args {
     /// platform's.
     #[arg(long, value_name = "MS", default_value_t = 0)]
     sync_delay_ms: u64,
+    /// Page cache of the consumer's and the pruner's connections, in KiB; default: `Config`'s.
+    #[arg(long, value_name = "KIB")]
+    cache_kib: Option<usize>,
     /// Internal: run as the publisher process against this port.
     #[arg(long, hide = true)]
     publish: Option<u16>,
@@ -81,6 +84,62 @@ fn status_kib(pid: Option<u32>, key: &str) -> u64 {
                 .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         })
         .unwrap_or(0)
+}
+
+/// Where the resident memory is, read together: the kernel's split, SQLite's heap and glibc's.
+struct MemoryBreakdown {
+    rss: u64,
+    anon: u64,
+    file: u64,
+    sqlite: u64,
+    /// glibc's `mallinfo2`: bytes in use in its arenas, free but kept in them, and in mmapped chunks.
+    malloc: Option<(u64, u64, u64)>,
+}
+
+impl MemoryBreakdown {
+    fn now() -> MemoryBreakdown {
+        MemoryBreakdown {
+            rss: rss_kib(None),
+            anon: status_kib(None, "RssAnon:"),
+            file: status_kib(None, "RssFile:"),
+            // SAFETY: a plain read of SQLite's global memory statistics.
+            sqlite: unsafe { edge_inbox::rusqlite::ffi::sqlite3_memory_used() } as u64 / 1024,
+            malloc: malloc_kib(),
+        }
+    }
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn malloc_kib() -> Option<(u64, u64, u64)> {
+    // SAFETY: mallinfo2 only reads the allocator's counters.
+    let m = unsafe { libc::mallinfo2() };
+    Some((
+        m.uordblks as u64 / 1024,
+        m.fordblks as u64 / 1024,
+        m.hblkhd as u64 / 1024,
+    ))
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn malloc_kib() -> Option<(u64, u64, u64)> {
+    None
+}
+
+impl std::fmt::Display for MemoryBreakdown {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "RSS {} KiB: anon {} KiB, file {} KiB; SQLite heap {} KiB",
+            self.rss, self.anon, self.file, self.sqlite
+        )?;
+        if let Some((used, free, mapped)) = self.malloc {
+            write!(
+                f,
+                "; malloc: in use {used} KiB in arenas and {mapped} KiB mmapped, free in the arenas {free} KiB"
+            )?;
+        }
+        Ok(())
+    }
 }
 
 fn free_port() -> u16 {
@@ -227,15 +286,22 @@ fn main() -> anyhow::Result<()> {
     let db = dir.path().join("inbox.db");
     println!(
         "soak: {} deliveries ({distinct} distinct, {repeats} repeats), at most {} min, broker 127.0.0.1:{port}, \
-         consumer window {}, batch {}",
+         consumer window {}, batch {}, page cache {}",
         args.count,
         args.minutes,
         args.window.map_or("default".to_string(), |w| w.to_string()),
-        args.batch.map_or("default".to_string(), |b| b.to_string())
+        args.batch.map_or("default".to_string(), |b| b.to_string()),
+        args.cache_kib
+            .map_or("default".to_string(), |k| format!("{k} KiB"))
     );
 
+    let mut config = Config::default();
+    if let Some(kib) = args.cache_kib {
+        config = config.cache_size(kib * 1024);
+    }
+
     // Consumer: persistent session, subscribed before anything is published.
-    let mut inbox = Inbox::open(&db, Config::default())?;
+    let mut inbox = Inbox::open(&db, config.clone())?;
     inbox.set_retention(
         SCOPE,
         &RetentionPolicy::new()
@@ -263,9 +329,9 @@ fn main() -> anyhow::Result<()> {
     let done = Arc::new(AtomicBool::new(false));
     let passes = Arc::new(AtomicU64::new(0));
     let pruner = {
-        let (db, done, passes) = (db.clone(), done.clone(), passes.clone());
+        let (db, done, passes, config) = (db.clone(), done.clone(), passes.clone(), config.clone());
         std::thread::spawn(move || -> anyhow::Result<()> {
-            let mut inbox = Inbox::open(&db, Config::default())?;
+            let mut inbox = Inbox::open(&db, config)?;
             let opts = Pruning::default().batch(512);
             // Step by step (as Inbox::prune does, resting between steps) so the run can end mid-pass.
             while !done.load(Ordering::Relaxed) {
@@ -318,6 +384,7 @@ fn main() -> anyhow::Result<()> {
     // memory figure.
     stats_conn.pragma_update(None, "cache_size", -256)?;
     let mut samples: Vec<(u64, u64)> = Vec::new();
+    let mut at_peak = MemoryBreakdown::now();
     let mut last_print = Instant::now() - Duration::from_secs(60);
     let settled = |conn: &edge_inbox::rusqlite::Connection| -> anyhow::Result<(u64, u64)> {
         let s = edge_inbox::inspect::stats(conn, Some(SCOPE))?;
@@ -326,6 +393,9 @@ fn main() -> anyhow::Result<()> {
     let finished = loop {
         let (processed, duplicates) = settled(&stats_conn)?;
         let rss = rss_kib(None);
+        if samples.iter().all(|&(_, r)| r < rss) {
+            at_peak = MemoryBreakdown::now();
+        }
         samples.push((started.elapsed().as_secs(), rss));
         if last_print.elapsed() >= Duration::from_secs(15) {
             last_print = Instant::now();
@@ -418,6 +488,7 @@ fn main() -> anyhow::Result<()> {
         sqlite_now / 1024,
         sqlite_peak / 1024
     );
+    println!("at the RSS peak: {at_peak}");
     let w = field_vfs::Written::now().since(written);
     let deliveries = (s.processed + s.duplicates).max(1);
     let (wal, dbw, block) = w.per(deliveries);

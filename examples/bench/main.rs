@@ -132,6 +132,9 @@ struct Args {
     /// The inboxes' `Config::wal_autocheckpoint`.
     #[arg(long, value_name = "PAGES")]
     wal_autocheckpoint: Option<u32>,
+    /// The inboxes' `Config::cache_size`, in KiB (the raw and classic rows keep SQLite's 2000 KiB).
+    #[arg(long, value_name = "KIB")]
+    cache_kib: Option<usize>,
     /// The inboxes' `Config::journal_size_limit`.
     #[arg(long, value_name = "BYTES")]
     journal_size_limit: Option<i64>,
@@ -174,6 +177,9 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(p) = args.wal_autocheckpoint {
         config = config.wal_autocheckpoint(p);
+    }
+    if let Some(k) = args.cache_kib {
+        config = config.cache_size(k * 1024);
     }
     if let Some(b) = args.journal_size_limit {
         config = config.journal_size_limit(b);
