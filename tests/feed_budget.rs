@@ -87,3 +87,34 @@ fn the_cores_memory_budget_bounds_what_the_feed_holds() {
         summary.peak_held_bytes
     );
 }
+
+/// Acks that never find room in the client's request channel (nobody polls this client: it holds 4) are
+/// counted as left unacked when the feed closes: every committed delivery is acked or counted.
+#[test]
+fn acks_without_room_when_the_feed_closes_are_counted_as_left_unacked() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("c.db"), Config::default()).unwrap();
+    let handler = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        tx.put(d.message_id, &1u8)?;
+        Ok(())
+    };
+    let options = rumqttc::v5::MqttOptions::new("never-polled", "127.0.0.1", 1);
+    let (client, _eventloop) = rumqttc::v5::Client::new(options, 4);
+    let (mut feed, commits) = ConsumerCore::new(inbox, "commands")
+        .spawn(handler, client, 100)
+        .unwrap();
+    feed.connected(false).unwrap();
+    for i in 0..50u16 {
+        let inbound =
+            Inbound::new("cmd/a", b"x".to_vec()).with_user_property("message-id", format!("c-{i}"));
+        feed.publish(inbound, Some(i + 1)).unwrap();
+    }
+    drop(feed);
+    let (_, summary) = commits.join();
+    let summary = summary.unwrap();
+    assert_eq!(
+        (summary.processed, summary.acked, summary.dropped_stale),
+        (50, 4, 46),
+        "{summary:?}"
+    );
+}

@@ -110,6 +110,22 @@ fn the_horizon_of_a_deferred_message_counts_from_its_processing() {
         Some((latest, "processed"))
     );
     assert!(breaches(inbox.connection()).is_empty());
+
+    // A body processed after everything the horizon pruned must still have its identity: losing it is a breach.
+    let conn = inbox.connection();
+    conn.execute(
+        "UPDATE messages SET finished_at = (SELECT pruned_before FROM retention) WHERE seq = ?1",
+        [latest],
+    )
+    .unwrap();
+    conn.execute("DELETE FROM identities", []).unwrap();
+    let found = breaches(conn);
+    assert!(
+        found
+            .iter()
+            .any(|b| b.contains("message_without_identity") && b.contains("seq 2")),
+        "a processed body newer than the pruned horizon, without its identity: {found:?}"
+    );
 }
 
 /// A pending body is still unique per identity and still holds its identity, whatever the horizon.

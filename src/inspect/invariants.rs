@@ -75,7 +75,7 @@ pub fn check_invariants(
         "SELECT s.name, count(*), 'message seq ' || min(m.seq) || ' (message id ' || quote(min(m.message_id)) || ')' \
          FROM messages m LEFT JOIN scopes s ON s.id = m.scope_id LEFT JOIN retention r ON r.scope_id = m.scope_id \
          WHERE NOT EXISTS (SELECT 1 FROM identities i WHERE i.scope_id = m.scope_id AND i.id_hash = m.id_hash) \
-         AND NOT (m.state = 1 AND r.pruned_before IS NOT NULL) \
+         AND NOT (m.state = 1 AND coalesce(m.finished_at, m.received_at) < r.pruned_before) \
          AND coalesce(r.watermarks = 1 AND m.producer IS NOT NULL AND m.sequence >= r.first_sequence AND ( \
            EXISTS (SELECT 1 FROM watermarks w WHERE w.scope_id = m.scope_id AND w.producer = m.producer \
                    AND w.high >= m.sequence) \

@@ -682,7 +682,8 @@ fn clamp(limit: usize) -> i64 {
 
 /// What [`Inbox::prune`] would delete if it ran at `now` (Unix seconds), per scope with a retention policy,
 /// by the same rules: processed and dead-lettered messages past their ages, and identities past the horizon
-/// whose stored message is gone or due too. Pending and failed messages are never due.
+/// with no pending, failed or dead-lettered message (a processed one does not hold its identity back).
+/// Pending and failed messages are never due.
 pub fn prune_preview(conn: &Connection, now: i64) -> Result<Vec<PrunePreview>> {
     snapshot(conn, || {
         let mut stmt = conn.prepare_cached(

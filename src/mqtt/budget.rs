@@ -37,7 +37,8 @@ struct Inner {
 struct State {
     used: usize,
     peak: usize,
-    /// The limit is lifted while the commit loop waits for room to queue an ack (see [`Budget::lend`]).
+    /// The limit is lifted while an ending commit loop waits for room to queue its last acks (see
+    /// [`Budget::lend`]).
     lent: bool,
     closed: bool,
 }

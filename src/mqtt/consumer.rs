@@ -115,11 +115,11 @@ impl Consumer {
     /// The memory budget of deliveries received and not yet committed, in bytes: payload, topic and user
     /// properties plus a fixed overhead per delivery (384 bytes), so that a flood of tiny deliveries is
     /// bounded too. While they hold more, the poll thread stops reading the socket and TCP pushes back on the
-    /// broker (which keeps the rest queued in its session). That holds while rumqttc's request channel has
-    /// room for the acks (it is sized for 4 times the window): a broker that sends far beyond our Receive
-    /// Maximum, as mosquitto 2.0.11 does under a flood, can fill it, and the limit is then lifted until an
-    /// ack can be queued again (else the poll thread, the only one draining that channel, would wait on the
-    /// commit thread and the commit thread on it). The budget bounds the batch too: under load a batch is
+    /// broker (which keeps the rest queued in its session). That holds whatever the broker sends: when a
+    /// broker that sends far beyond our Receive Maximum (mosquitto 2.0.11 under a flood) fills rumqttc's
+    /// request channel with our acks, the commit thread keeps the next acks (16 bytes each) and goes on
+    /// committing, which makes room for the poll thread, the only one that drains that channel. The budget
+    /// bounds the batch too: under load a batch is
     /// everything that arrived during the previous commit, up to it. Unless [`MqttConfig::inflight`] is set,
     /// the Receive Maximum announced follows it (one per 256 bytes, 8192 at the default; between 20 and
     /// 65,535). A single delivery larger than the budget is still read, alone. Default

@@ -350,7 +350,7 @@ impl ConsumerCore {
                 self.ready.len()
             );
         }
-        self.summary.dropped_stale += n as u64;
+        self.summary.dropped_stale += (n + self.ready.len()) as u64;
         self.held.clear();
         self.queue.clear();
         self.ready.clear();

@@ -60,8 +60,8 @@ impl std::error::Error for FeedClosed {}
 /// nothing more is read from the socket and TCP pushes back on the broker. This never deadlocks on the
 /// client's request channel, which only this caller drains (by polling): while it is full of acks, the commit
 /// thread keeps the next acks (16 bytes each, in order) and goes on committing, and the room that frees in
-/// the budget brings this caller back to polling. Only while a stopping commit thread waits to queue its last
-/// acks is the limit lifted (at most 10 s). A request channel (rumqttc's `cap`) of about a thousand is enough:
+/// the budget brings this caller back to polling. Only while a commit thread that is ending (stopped, or
+/// idle) waits to queue its last acks is the limit lifted (at most 10 s). A request channel (rumqttc's `cap`) of about a thousand is enough:
 /// rumqttc's queue keeps the largest size it reached, at 216 bytes a request in MQTT 5. A handler that panics closes the feed: a
 /// caller waiting here is let go. On an async executor, wrap it in an `AsyncFeed` (feature `tokio`), which
 /// waits on the blocking pool, or keep the event loop on a thread of its own.
@@ -250,6 +250,10 @@ pub(crate) struct Driver<'a, S: PubAckSender> {
 impl<S: PubAckSender> Drop for Driver<'_, S> {
     fn drop(&mut self) {
         self.budget.close();
+        // Committed, but the loop ended (an error, the feed closed) before their acks could be queued.
+        if self.core.acks_ready() > 0 {
+            self.drop_unsent_acks("the commit loop ended before the acks");
+        }
     }
 }
 
@@ -287,7 +291,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
             self.core.health.turn();
             self.core.publish_stats();
             if stop.is_stopped() {
-                self.finish_acks();
+                self.finish_acks()?;
                 return Ok(End::Stopped);
             }
             if let Some(threshold) = &self.core.receive_only {
@@ -329,7 +333,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
             }
             if let Some(idle) = self.exit_when_idle {
                 if self.core.unsettled() == 0 && last_activity.elapsed() >= idle {
-                    self.finish_acks();
+                    self.finish_acks()?;
                     log::info!("idle for {idle:?}: stopping");
                     return Ok(End::Idle);
                 }
@@ -429,24 +433,47 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
 
     /// Before the loop ends: queues the acks still waiting for room, for at most [`STOP_WAIT`]. The limit of
     /// the budget is lifted meanwhile: the side that drains rumqttc's channel may be waiting for room in it,
-    /// and nothing is committed any more to make room.
-    fn finish_acks(&mut self) {
+    /// and nothing is committed any more to make room. What arrives meanwhile is not committed: left unacked
+    /// for the broker to redeliver, and dropped rather than held.
+    fn finish_acks(&mut self) -> Result<()> {
         let started = Instant::now();
-        while self.send_acks() {
+        let result = loop {
+            if !self.send_acks() {
+                break Ok(());
+            }
             if started.elapsed() >= STOP_WAIT {
                 self.drop_unsent_acks("the MQTT client's request channel stayed full");
-                break;
+                break Ok(());
             }
             self.budget.lend();
-            // Never committed here: left unacked for the broker to redeliver, and dropped rather than held.
+            let mut failed = None;
             while let Ok(event) = self.rx.try_recv() {
-                if let Event::Publish { inbound, .. } = &event {
-                    self.budget.release(budget::held_size(inbound));
+                match event {
+                    Event::Publish { inbound, .. } => {
+                        self.budget.release(budget::held_size(&inbound));
+                        self.core.summary.received += 1;
+                        self.core.summary.dropped_stale += 1;
+                    }
+                    // The gate then refuses the old connection's acks, and they are counted as dropped.
+                    Event::Connected {
+                        connection,
+                        session_present,
+                    } => self.core.connected(connection, session_present),
+                    Event::Lost { connection, cause } => {
+                        self.core.connection_lost_because(connection, cause)
+                    }
+                    Event::PassThrough { .. } => {}
+                    Event::Failed(e) => failed = Some(e),
                 }
             }
+            if let Some(e) = failed {
+                self.drop_unsent_acks("the connection failed before the acks");
+                break Err(e);
+            }
             std::thread::sleep(Duration::from_millis(1));
-        }
+        };
         self.budget.restore();
+        result
     }
 
     /// Gives the budget back the bytes of the deliveries the core no longer holds.

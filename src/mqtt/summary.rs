@@ -30,7 +30,8 @@ pub struct RunSummary {
     pub storage_errors: u64,
     /// Connections accepted by the broker.
     pub connections: u64,
-    /// Deliveries dropped unacked because their connection ended (the broker redelivers them).
+    /// Deliveries left unacked (the broker redelivers them): their connection ended, or the run ended
+    /// before their acks could be handed to the MQTT client.
     pub dropped_stale: u64,
     /// Deliveries stored as pending (receive-only mode), to be applied by workers.
     pub stored: u64,
