@@ -13,6 +13,7 @@ use crate::mqtt::ack_queue::AckQueue;
 use crate::mqtt::extract::{Envelope, ExtractIdentity, Identity, Inbound, UserProperty};
 use crate::mqtt::gate::{Ack, AckGate, ConnectionId};
 use crate::mqtt::health::{Health, HealthEvents, Settled, StatsHandle};
+use crate::mqtt::ready_acks::ReadyAcks;
 pub use crate::mqtt::summary::RunSummary;
 use crate::store::error::{Error, Result};
 use crate::store::identity::Delivery;
@@ -97,7 +98,7 @@ pub struct ConsumerCore {
     /// Every QoS1 delivery of the connection not yet acked, in arrival order.
     queue: AckQueue<Option<u16>>,
     /// Acks safe to send, in arrival order.
-    ready: VecDeque<Ack>,
+    ready: ReadyAcks,
     pub(crate) summary: RunSummary,
     outcomes: Vec<Outcome>,
     batch: Vec<Pending>,
@@ -143,7 +144,7 @@ impl ConsumerCore {
             connection: None,
             held: VecDeque::new(),
             queue: AckQueue::new(),
-            ready: VecDeque::new(),
+            ready: ReadyAcks::default(),
             summary: RunSummary::default(),
             outcomes: Vec::new(),
             batch: Vec::new(),
