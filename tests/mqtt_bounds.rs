@@ -298,15 +298,17 @@ fn an_unpaced_flood_holds_no_more_than_the_memory_budget() {
         figure("peak_held=") <= (FLOOD_BUDGET + one) as u64,
         "deliveries held in memory beyond the budget of {FLOOD_BUDGET} bytes"
     );
-    // Held whole, the flood (1 KiB payloads) would show here beyond its payload bytes (+42 MiB for 24 MiB);
-    // what grows with the deliveries committed (SQLite's page cache, allocator slack) is allowed three
-    // quarters of the flood plus 12 MiB. Under an emulator the figure is the emulator's (its translated code
-    // grows as new paths run), so only the budget, checked exactly above, is asserted there.
+    // Held whole, the flood (1 KiB payloads) would show here beyond its payload bytes (+42 MiB for 24 MiB).
+    // What grows with the deliveries committed (SQLite's page cache, allocator slack, the acks waiting for
+    // the client) is allowed an eighth of the flood plus 6 MiB: it measured 4.2-4.5 MiB for 24 MiB, and
+    // 6.0-10.9 MiB while acks that found the client's request channel full made the loop hold deliveries.
+    // Under an emulator the figure is the emulator's (its translated code grows as new paths run), so only
+    // the budget, checked exactly above, is asserted there.
     let grown = figure("after=").saturating_sub(figure("before="));
     let flood_kib = (n as u64 * 1024) >> 10;
     println!("peak RSS grew by {grown} KiB draining {flood_kib} KiB");
     assert!(
-        common::emulated() || grown < flood_kib * 3 / 4 + 12 * 1024,
+        common::emulated() || grown < flood_kib / 8 + 6 * 1024,
         "peak memory grew by {grown} KiB while draining a flood of {flood_kib} KiB with a budget of 256 KiB"
     );
     let again = run(Duration::from_secs(1));
