@@ -29,6 +29,14 @@ struct Run {
 }
 
 impl Run {
+    fn of(ack: Ack) -> Run {
+        Run {
+            connection: ack.connection,
+            first: ack.packet_id,
+            len: 1,
+        }
+    }
+
     fn last(&self) -> u16 {
         // Ids advance modulo 65,535 over 1..=65,535.
         let offset = (u32::from(self.first) - 1 + self.len - 1) % u32::from(u16::MAX);
@@ -55,11 +63,7 @@ impl ReadyAcks {
                 return;
             }
         }
-        self.runs.push_back(Run {
-            connection: ack.connection,
-            first: ack.packet_id,
-            len: 1,
-        });
+        self.runs.push_back(Run::of(ack));
     }
 
     pub(crate) fn pop_front(&mut self) -> Option<Ack> {
@@ -90,11 +94,7 @@ impl ReadyAcks {
                 return;
             }
         }
-        self.runs.push_front(Run {
-            connection: ack.connection,
-            first: ack.packet_id,
-            len: 1,
-        });
+        self.runs.push_front(Run::of(ack));
     }
 
     pub(crate) fn len(&self) -> usize {

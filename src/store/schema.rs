@@ -350,15 +350,19 @@ const CHECKPOINT_CACHE_KIB: usize = MIN_CACHE_KIB;
 
 /// Sets the page cache's limit in KiB (a negative `cache_size`), read back.
 fn set_cache_kib(conn: &Connection, kib: usize) -> Result<()> {
-    let wanted = -i64::try_from(kib).unwrap_or(i64::MAX);
-    conn.execute_batch(&format!("PRAGMA cache_size = {wanted}"))
+    set_pragma(conn, "cache_size", -i64::try_from(kib).unwrap_or(i64::MAX))
+}
+
+/// Sets an integer pragma and reads it back: one SQLite ignores is an [`Error::Setting`].
+fn set_pragma(conn: &Connection, name: &str, wanted: i64) -> Result<()> {
+    conn.execute_batch(&format!("PRAGMA {name} = {wanted}"))
         .map_err(Error::from)?;
     let got: i64 = conn
-        .query_row("PRAGMA cache_size", [], |r| r.get(0))
+        .query_row(&format!("PRAGMA {name}"), [], |r| r.get(0))
         .map_err(Error::from)?;
     if got != wanted {
         return Err(Error::Setting {
-            wanted: format!("cache_size={wanted}"),
+            wanted: format!("{name}={wanted}"),
             got: got.to_string(),
         });
     }
@@ -367,18 +371,7 @@ fn set_cache_kib(conn: &Connection, kib: usize) -> Result<()> {
 
 /// Per-connection settings, each read back: a silently ignored pragma would void the durability promise.
 fn apply_settings(conn: &Connection, config: &Config) -> Result<()> {
-    let wanted = config.synchronous.pragma_value();
-    conn.execute_batch(&format!("PRAGMA synchronous = {wanted}"))
-        .map_err(Error::from)?;
-    let got: i64 = conn
-        .query_row("PRAGMA synchronous", [], |r| r.get(0))
-        .map_err(Error::from)?;
-    if got != wanted {
-        return Err(Error::Setting {
-            wanted: format!("synchronous={wanted}"),
-            got: got.to_string(),
-        });
-    }
+    set_pragma(conn, "synchronous", config.synchronous.pragma_value())?;
     conn.execute_batch("PRAGMA foreign_keys = ON")
         .map_err(Error::from)?;
     set_cache_kib(conn, (config.cache_bytes / 1024).max(MIN_CACHE_KIB))?;
