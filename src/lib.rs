@@ -342,8 +342,8 @@
 //!   thread stops reading the socket and TCP pushes back on the broker, which keeps the rest in its session
 //!   (mosquitto 2.0.11 does not keep to our Receive Maximum, so the window alone would not bound it). The
 //!   two threads never wait on each other: while rumqttc's request channel (1024 requests) is full of
-//!   PUBACKs, the commit thread keeps the next acks (16 bytes each) and goes on committing, which makes
-//!   room in the budget for the poll thread, the one that drains the channel.
+//!   PUBACKs, the commit thread keeps the next acks (as runs of consecutive packet ids) and goes on
+//!   committing, which makes room in the budget for the poll thread, the one that drains the channel.
 //!   [`RunSummary::peak_held_bytes`] tells the most held at once.
 //! - **Acks** only after the commit that covers the delivery returned `Ok` (processed, duplicate, conflict,
 //!   quarantined or dead-lettered), strictly in arrival order (MQTT-4.6.0-2). A reconnect drops whatever

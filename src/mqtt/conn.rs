@@ -230,8 +230,8 @@ pub(crate) fn start(
     closing: Arc<AtomicBool>,
 ) -> std::io::Result<(Client, JoinHandle<()>)> {
     // rumqttc's request channel carries our PUBACKs: 216 bytes each, and its queue keeps the largest size
-    // it reached. When it is full the commit loop keeps the acks (16 bytes each) and goes on committing, so
-    // the room it frees in the budget keeps this thread polling, and polling drains the channel.
+    // it reached. When it is full the commit loop keeps the acks (runs of packet ids) and goes on
+    // committing, so the room it frees in the budget keeps this thread polling, which drains the channel.
     let cap = REQUEST_CHANNEL;
     let topics = config.topics.clone();
     let name = format!("mqtt-poll-{}", config.client_id);

@@ -117,12 +117,12 @@ impl Consumer {
     /// bounded too. While they hold more, the poll thread stops reading the socket and TCP pushes back on the
     /// broker (which keeps the rest queued in its session). That holds whatever the broker sends: when a
     /// broker that sends far beyond our Receive Maximum (mosquitto 2.0.11 under a flood) fills rumqttc's
-    /// request channel with our acks, the commit thread keeps the next acks (16 bytes each) and goes on
-    /// committing, which makes room for the poll thread, the only one that drains that channel. The budget
-    /// bounds the batch too: under load a batch is
-    /// everything that arrived during the previous commit, up to it. Unless [`MqttConfig::inflight`] is set,
-    /// the Receive Maximum announced follows it (one per 256 bytes, 8192 at the default; between 20 and
-    /// 65,535). A single delivery larger than the budget is still read, alone. Default
+    /// request channel with our acks, the commit thread keeps the next acks (as runs of packet ids) and goes
+    /// on committing, which makes room for the poll thread, the only one that drains that channel. The
+    /// budget bounds the batch too: under load a batch is everything that arrived during the previous
+    /// commit, up to it. Unless [`MqttConfig::inflight`] is set, the Receive Maximum announced follows it
+    /// (one per 256 bytes, 8192 at the default; between 20 and 65,535). A single delivery larger than the
+    /// budget is still read, alone. Default
     /// [`DEFAULT_MEMORY_BUDGET`](crate::DEFAULT_MEMORY_BUDGET) (2 MiB); [`RunSummary::peak_held_bytes`]
     /// reports the most held at once.
     pub fn memory_budget(mut self, bytes: usize) -> Self {

@@ -59,12 +59,13 @@ impl std::error::Error for FeedClosed {}
 /// [`Consumer::memory_budget`](crate::Consumer::memory_budget)): the caller stops polling the event loop, so
 /// nothing more is read from the socket and TCP pushes back on the broker. This never deadlocks on the
 /// client's request channel, which only this caller drains (by polling): while it is full of acks, the commit
-/// thread keeps the next acks (16 bytes each, in order) and goes on committing, and the room that frees in
-/// the budget brings this caller back to polling. Only while a commit thread that is ending (stopped, or
-/// idle) waits to queue its last acks is the limit lifted (at most 10 s). A request channel (rumqttc's `cap`) of about a thousand is enough:
-/// rumqttc's queue keeps the largest size it reached, at 216 bytes a request in MQTT 5. A handler that panics closes the feed: a
-/// caller waiting here is let go. On an async executor, wrap it in an `AsyncFeed` (feature `tokio`), which
-/// waits on the blocking pool, or keep the event loop on a thread of its own.
+/// thread keeps the next acks (in order, as runs of packet ids) and goes on committing, and the room that
+/// frees in the budget brings this caller back to polling. Only while a commit thread that is ending
+/// (stopped, or idle) waits to queue its last acks is the limit lifted (at most 10 s). A request channel
+/// (rumqttc's `cap`) of about a thousand is enough: rumqttc's queue keeps the largest size it reached, at
+/// 216 bytes a request in MQTT 5. A handler that panics closes the feed: a caller waiting here is let go.
+/// On an async executor, wrap it in an `AsyncFeed` (feature `tokio`), which waits on the blocking pool, or
+/// keep the event loop on a thread of its own.
 pub struct Feed {
     tx: Sender<Event>,
     gate: AckGate,
@@ -409,8 +410,8 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
     }
 
     /// Queues the ready acks through the gate, in order, until rumqttc's request channel is full. True when
-    /// some are left for the next try: they wait in the core (an ack is 16 bytes there, a request in
-    /// rumqttc's channel 216), not the deliveries behind them. Once the connection has ended the rest stay
+    /// some are left for the next try: they wait in the core (runs of packet ids there, 216 bytes a request
+    /// in rumqttc's channel), not the deliveries behind them. Once the connection has ended the rest stay
     /// unacked (the broker redelivers them).
     fn send_acks(&mut self) -> bool {
         while let Some(ack) = self.core.pop_ack() {
@@ -496,8 +497,8 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
 
     /// More deliveries unacked than the inflight window allows: the broker does not wait for our PUBACKs
     /// (MQTT 5 Receive Maximum, or the 3.1.1 window configured). The budget still bounds the deliveries
-    /// held, but every one committed keeps an ack waiting (16 bytes) until the client's event loop sends
-    /// it; said once per connection.
+    /// held, and the acks waiting for the client's event loop are kept as runs of packet ids; said once
+    /// per connection.
     fn warn_if_overfed(&mut self, connection: ConnectionId) {
         let unacked = self.core.acks_ready() + self.core.unsettled();
         if unacked > self.window && self.overfed_warned != Some(connection) {

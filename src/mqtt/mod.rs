@@ -23,6 +23,7 @@ pub(crate) mod gate;
 #[cfg(feature = "mqtt")]
 pub(crate) mod health;
 pub(crate) mod property_bag;
+#[cfg(feature = "mqtt")]
 pub(crate) mod ready_acks;
 #[cfg(feature = "mqtt")]
 pub(crate) mod relay;

@@ -39,7 +39,7 @@ impl Run {
 
     fn last(&self) -> u16 {
         // Ids advance modulo 65,535 over 1..=65,535.
-        let offset = (u32::from(self.first) - 1 + self.len - 1) % u32::from(u16::MAX);
+        let offset = (u64::from(self.first) - 1 + u64::from(self.len) - 1) % u64::from(u16::MAX);
         (offset + 1) as u16
     }
 }
