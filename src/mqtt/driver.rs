@@ -315,7 +315,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
             } else {
                 Duration::from_millis(100)
             };
-            let closed = self.collect(first_wait)?;
+            let closed = self.collect(&stop, first_wait)?;
             if self.core.unsettled() > 0 {
                 let settled = self.core.settle(handler);
                 self.release_settled();
@@ -344,8 +344,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
 
     /// Applies events to the core until a batch is held: waits up to `first_wait` for the first, then takes
     /// what is already queued, waiting up to the linger (if any) for more. True when the feed is gone.
-    fn collect(&mut self, first_wait: Duration) -> Result<bool> {
-        let stop = self.core.stop.clone();
+    fn collect(&mut self, stop: &StopHandle, first_wait: Duration) -> Result<bool> {
         let size = self.core.batch_size;
         let linger = self.core.linger;
         let mut deadline: Option<Instant> = None;
@@ -438,6 +437,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
     /// for the broker to redeliver, and dropped rather than held.
     fn finish_acks(&mut self) -> Result<()> {
         let started = Instant::now();
+        self.budget.lend();
         let result = loop {
             if !self.send_acks() {
                 break Ok(());
@@ -446,7 +446,6 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                 self.drop_unsent_acks("the MQTT client's request channel stayed full");
                 break Ok(());
             }
-            self.budget.lend();
             let mut failed = None;
             while let Ok(event) = self.rx.try_recv() {
                 match event {
