@@ -158,6 +158,16 @@
 //! A batch of one (and [`Inbox::process`]) runs without a savepoint: a failing handler rolls the whole
 //! transaction back.
 //!
+//! On storage whose syncs take milliseconds (SD cards, eMMC), a consumer that takes turns with the disk
+//! (commit, sync, commit, sync) leaves the CPU idle during every sync. The commit loop of the
+//! [`Consumer`] and of [`ConsumerCore::spawn`] overlaps them instead ([`SyncOverlap`], automatic by
+//! default: while the commits that sync themselves take 1 ms or more): a batch commits without a sync of
+//! its own, a thread of the inbox syncs the WAL through a second connection meanwhile, and the batch's
+//! PUBACKs leave only once a sync that *began after its commit returned* has succeeded. The promise is
+//! unchanged (`tests/power_loss.rs` cuts the power before every sync of that thread too); a failed sync
+//! is never retried, and nothing committed since the last good one is acked until the WAL has been written
+//! out again in full and synced (`tests/wal_sync_failure.rs`).
+//!
 //! The per-scope counters ([`Inbox::scope_stats`]) are exact and durable without a page of their own in the
 //! common case: a delivery processed through a new identity row writes no counter, because `processed` is
 //! derived from the scope's identity rows (kept in step by every other path that adds or prunes identity
@@ -172,8 +182,9 @@
 //! deliveries**; opt in only where that is acceptable. Every setting is read back after it is applied.
 //!
 //! Both claims are tested by simulating the power cut, not a process kill (whose page cache survives):
-//! `tests/power_loss.rs` runs every write path (single and group commits, outbox, deferred receive and
-//! worker, sequence watermarks, retention passes with incremental vacuum and checkpoints) through a VFS that
+//! `tests/power_loss.rs` runs every write path (single and group commits, the consumer core's commits
+//! overlapping their syncs, outbox, deferred receive and worker, sequence watermarks, retention passes with
+//! incremental vacuum and checkpoints) through a VFS that
 //! keeps, per file, what the last sync made durable, and cuts before every sync and during every prune step,
 //! vacuum and checkpoint, keeping none, all or a random subset of the unsynced sectors. With `FULL` no cut
 //! loses an acknowledged delivery or applies one twice, and the reopened file passes `integrity_check` with
@@ -561,8 +572,8 @@
 //!   thread, and a slow one (a blocked log sink, a metrics lock) would hold back every commit and PUBACK
 //!   behind it. The commit thread only `try_send`s: when the reader lags the event is dropped and counted
 //!   ([`HealthEvents::dropped`]), so neither the commit path nor memory grows with a slow reader. A
-//!   delivery's event is sent once the commit (or, for a failed attempt, the rollback) that decided it has
-//!   returned, so it is durable when you see it; its PUBACK follows. A batch's events come in arrival order.
+//!   delivery's event is sent once the commit (or, for a failed attempt, the rollback) that decided it is
+//!   durable (it returned, or with [overlapping syncs](SyncOverlap) a sync covered it); its PUBACK follows. A batch's events come in arrival order.
 //! - [`Consumer::stats`] / [`ConsumerCore::stats`]: a [`StatsHandle`] whose [`StatsHandle::snapshot`] gives,
 //!   from any thread while `run` runs, the run's [`RunSummary`] so far, the current connection, the last
 //!   loss's cause, the deliveries not yet committed, whether a commit loop runs and how often it turned
@@ -902,6 +913,8 @@ pub use crate::mqtt::extract::{
 pub use crate::mqtt::gate::{Ack, AckGate, AckSent, ConnectionId, PubAckSender};
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::health::{ConsumerStats, HealthEvent, HealthEvents, Settled, StatsHandle};
+#[cfg(feature = "mqtt")]
+pub use crate::mqtt::pipeline::SyncOverlap;
 pub use crate::mqtt::property_bag::PropertyBag;
 #[cfg(feature = "mqtt")]
 pub use crate::mqtt::relay::{Relay, RelayConfig, RelayStats};

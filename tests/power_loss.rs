@@ -120,6 +120,7 @@ fn full_sync_keeps_every_acknowledged_delivery_at_every_cut() {
     for phase in [
         "single commit",
         "group commit",
+        "overlapped commits",
         "outbox commit",
         "deferred receive",
         "worker claim and apply",

@@ -14,7 +14,10 @@ use edge_inbox::rusqlite::ffi;
 
 #[path = "../examples/support/wrap_vfs.rs"]
 mod wrap_vfs;
-use edge_inbox::{Config, Delivery, Error, Inbox, Outcome, Pruning, Status, Synchronous, Tx};
+use edge_inbox::{
+    Config, ConsumerCore, Delivery, Error, Inbound, Inbox, Outcome, Pruning, PubAckSender, Status,
+    SyncOverlap, Synchronous, Tx,
+};
 
 const SCOPE: &str = "inventory-reservation";
 const VFS: &str = "edge-inbox-failed-writeback";
@@ -29,6 +32,9 @@ static RELEASE_THREAD: AtomicBool = AtomicBool::new(false);
 /// The checkpoint thread's WAL sync failed.
 static THREAD_FAILED: AtomicBool = AtomicBool::new(false);
 const CHECKPOINT_THREAD: &str = "edge-inbox-checkpoint";
+/// WAL syncs the inbox's sync thread (commits overlapping their syncs) made or tried.
+static SYNC_THREAD_SYNCS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+const SYNC_THREAD: &str = "edge-inbox-sync";
 
 /// Waits until `flag` is set, 10 s at most.
 fn wait_for(flag: &AtomicBool, what: &str) {
@@ -95,6 +101,9 @@ impl wrap_vfs::Observer for Disk {
     fn sync(&self, tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
         let wal = self.files.lock().unwrap()[tag].name.ends_with("-wal");
         let checkpoint_thread = std::thread::current().name() == Some(CHECKPOINT_THREAD);
+        if wal && std::thread::current().name() == Some(SYNC_THREAD) {
+            SYNC_THREAD_SYNCS.fetch_add(1, Ordering::SeqCst);
+        }
         if wal && checkpoint_thread && HOLD_THREAD_SYNC.load(Ordering::SeqCst) {
             THREAD_HELD.store(true, Ordering::SeqCst);
             wait_for(&RELEASE_THREAD, "the test releasing the checkpoint thread");
@@ -296,4 +305,83 @@ fn a_commit_after_a_failed_wal_sync_is_not_acked_until_the_wal_is_written_out_ag
     check_after_power_cut(&disk, "threaded.db", &["t-1", "t-n", "t-2"]);
     drop(relaxed);
     drop(inbox);
+
+    overlapped_commits_are_not_acked_after_a_failed_sync_until_the_wal_is_written_out_again(
+        &disk,
+        dir.path(),
+    );
+}
+
+/// The PUBACKs a commit loop sends, in order.
+#[derive(Clone, Default)]
+struct Sent(Arc<Mutex<Vec<u16>>>);
+
+impl PubAckSender for Sent {
+    fn try_puback(&self, packet_id: u16) -> bool {
+        self.0.lock().unwrap().push(packet_id);
+        true
+    }
+}
+
+impl Sent {
+    fn wait_for(&self, n: usize) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while self.0.lock().unwrap().len() < n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{n} PUBACKs: only {:?} in 10 s",
+                self.0.lock().unwrap()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}
+
+/// A consumer core's commit loop commits without a sync of its own while the sync thread syncs the WAL. When
+/// that sync fails, the frames it should have written are lost: nothing committed since the last good sync is
+/// acked while the disk fails (the commit connection's rewrite of the WAL fails too), and once the WAL has
+/// been written out again the acks leave, with every acked delivery on the disk.
+fn overlapped_commits_are_not_acked_after_a_failed_sync_until_the_wal_is_written_out_again(
+    disk: &Disk,
+    dir: &Path,
+) {
+    let path = dir.join("overlapped.db");
+    let config = Config::default().vfs(VFS).checkpoint_thread(false);
+    let inbox = Inbox::open(&path, config).unwrap();
+    let core = ConsumerCore::new(inbox, SCOPE)
+        .overlap_syncs(SyncOverlap::On)
+        .storage_retry_limit(std::time::Duration::from_secs(60));
+    let sent = Sent::default();
+    let (mut feed, commits) = core.spawn(bump, sent.clone(), 64).unwrap();
+    feed.connected(true).unwrap();
+    let publish = |feed: &mut edge_inbox::Feed, id: &str, packet_id: u16| {
+        let inbound = Inbound::new("orders/1", b"x".to_vec()).with_user_property("message-id", id);
+        feed.publish(inbound, Some(packet_id)).unwrap();
+    };
+    let syncs_before = SYNC_THREAD_SYNCS.load(Ordering::SeqCst);
+    publish(&mut feed, "o-1", 1);
+    sent.wait_for(1);
+    assert!(
+        SYNC_THREAD_SYNCS.load(Ordering::SeqCst) > syncs_before,
+        "o-1 was acked after a sync of the sync thread"
+    );
+    check_after_power_cut(disk, "overlapped.db", &["o-1"]);
+
+    // Every sync of the WAL fails now, the sync thread's and the rewrite's.
+    FAIL_WAL_SYNC.store(true, Ordering::SeqCst);
+    publish(&mut feed, "o-2", 2);
+    publish(&mut feed, "o-3", 3);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(*sent.0.lock().unwrap(), [1], "acked while the disk fails");
+    FAIL_WAL_SYNC.store(false, Ordering::SeqCst);
+    sent.wait_for(3);
+    assert_eq!(*sent.0.lock().unwrap(), [1, 2, 3]);
+    check_after_power_cut(disk, "overlapped.db", &["o-1", "o-2", "o-3"]);
+
+    commits.stop();
+    let (core, result) = commits.join();
+    let summary = result.unwrap();
+    assert_eq!((summary.processed, summary.acked), (3, 3), "{summary:?}");
+    drop(feed);
+    drop(core);
 }

@@ -16,6 +16,7 @@ use crate::mqtt::driver::{self, Driver, End, STOP_WAIT};
 use crate::mqtt::extract::{Envelope, ExtractIdentity, UserProperty};
 use crate::mqtt::gate::AckGate;
 use crate::mqtt::health::{HealthEvents, StatsHandle};
+use crate::mqtt::pipeline::SyncOverlap;
 use crate::store::error::{Error, Result};
 
 /// Consumes QoS1 deliveries from an MQTT broker into an [`Inbox`]; you write only the handler.
@@ -130,6 +131,15 @@ impl Consumer {
         self
     }
 
+    /// When the next batch is committed while the previous one syncs ([`SyncOverlap::Auto`] by default: on
+    /// storage whose syncs take a millisecond or more): see
+    /// [`ConsumerCore::overlap_syncs`]. A batch's PUBACKs still leave only once a sync that began after
+    /// its commit has succeeded.
+    pub fn overlap_syncs(mut self, mode: SyncOverlap) -> Self {
+        self.core = self.core.overlap_syncs(mode);
+        self
+    }
+
     /// Received-then-deferred mode: each delivery is stored as a *pending* message
     /// ([`Inbox::receive_batch_into`]) and acked once that commit is durable; the obligation moves from the
     /// broker to the local store, and [`Worker`](crate::Worker)s apply the effects later. The handler given to
@@ -221,6 +231,7 @@ impl Consumer {
         self.core.set_gate(gate.clone());
         let budget = Budget::new(self.core.memory_budget);
         let (feed, rx) = driver::channel(gate.clone(), budget.clone());
+        let waker = feed.waker();
         let closing = Arc::new(AtomicBool::new(false));
         let (client, poller) = mqtt_conn::start(&mqtt, feed, closing.clone()).map_err(|e| {
             Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}"))
@@ -231,7 +242,15 @@ impl Consumer {
             mqtt
         );
         self.warn_if_pending_waits();
-        let mut driver = Driver::new(&mut self.core, &rx, &gate, &client, window, budget.clone());
+        let mut driver = Driver::new(
+            &mut self.core,
+            &rx,
+            &gate,
+            &client,
+            window,
+            budget.clone(),
+            waker,
+        );
         driver.exit_when_idle = self.exit_when_idle;
         let end = driver.run(&mut handler);
         // Dropping the driver closes the budget: nothing waits for room any more.

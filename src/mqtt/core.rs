@@ -13,6 +13,7 @@ use crate::mqtt::ack_queue::AckQueue;
 use crate::mqtt::extract::{Envelope, ExtractIdentity, Identity, Inbound, UserProperty};
 use crate::mqtt::gate::{Ack, AckGate, ConnectionId};
 use crate::mqtt::health::{Health, HealthEvents, Settled, StatsHandle};
+use crate::mqtt::pipeline::{Pipeline, SyncOverlap};
 use crate::mqtt::ready_acks::ReadyAcks;
 pub use crate::mqtt::summary::RunSummary;
 use crate::store::error::{Error, Result};
@@ -103,6 +104,10 @@ pub struct ConsumerCore {
     outcomes: Vec<Outcome>,
     batch: Vec<Pending>,
     pub(crate) health: Health,
+    /// When a commit loop overlaps commits with their syncs ([`ConsumerCore::overlap_syncs`]).
+    overlap_syncs: SyncOverlap,
+    /// While a commit loop overlaps them: the sync thread and the acks waiting for it.
+    pipeline: Option<Pipeline>,
 }
 
 impl std::fmt::Debug for ConsumerCore {
@@ -148,6 +153,8 @@ impl ConsumerCore {
             summary: RunSummary::default(),
             outcomes: Vec::new(),
             batch: Vec::new(),
+            overlap_syncs: SyncOverlap::Auto,
+            pipeline: None,
         }
     }
 
@@ -206,6 +213,26 @@ impl ConsumerCore {
         self
     }
 
+    /// When the commit loop ([`ConsumerCore::spawn`], and the [`Consumer`](crate::Consumer)'s) commits the
+    /// next batch while the previous one syncs; [`SyncOverlap::Auto`] by default: while commits that sync
+    /// themselves take a millisecond or more (SD cards, eMMC).
+    ///
+    /// Overlapping, a batch commits without a sync of its own (`synchronous=NORMAL` for that transaction),
+    /// and a thread of the inbox syncs the WAL meanwhile, through a second connection and the same VFS.
+    /// The batch's PUBACKs and events leave once a sync that began after its commit returned has
+    /// succeeded: the promise is the same, the disk is just busy while the next batch commits. A batch is
+    /// committed so that its commit ends about when the sync under way ends (from the measured times of
+    /// both), or at once when it is full, so batches still gather what arrives during a sync. A failed sync
+    /// is not retried: nothing committed since the last good sync is acked until the connection has written
+    /// the whole WAL out again and synced it (retried as storage errors are).
+    ///
+    /// [`ConsumerCore::settle`] called directly always syncs each commit. Without effect at
+    /// `synchronous=NORMAL` (nothing is synced per commit).
+    pub fn overlap_syncs(mut self, mode: SyncOverlap) -> Self {
+        self.overlap_syncs = mode;
+        self
+    }
+
     /// Makes the commit loop ([`ConsumerCore::spawn`]) end once nothing has arrived for `idle` (counted from
     /// the start, the latest connection or the latest delivery) and nothing is held.
     pub fn exit_when_idle(mut self, idle: Duration) -> Self {
@@ -238,19 +265,32 @@ impl ConsumerCore {
     /// The connection and outcome events of this core, over a bounded channel of `capacity` events (at
     /// least 1). Never blocks the commit thread: an event that finds the channel full is dropped and
     /// counted ([`HealthEvents::dropped`]). A delivery's event is sent once the commit that decided it
-    /// returned (durable), before its PUBACK; a batch's events in arrival order. Call it before
+    /// is durable (returned, or with overlapping syncs synced), before its PUBACK; a batch's events in arrival order. Call it before
     /// [`ConsumerCore::spawn`]; a second call ends the first receiver's stream.
     pub fn events(&mut self, capacity: usize) -> HealthEvents {
         self.health.subscribe(capacity)
     }
 
-    /// The inbox, e.g. for [`Inbox::scope_stats`].
+    /// The inbox, e.g. for [`Inbox::scope_stats`]. Its commits are durable when they return, whatever
+    /// the core does between them.
     pub fn inbox(&mut self) -> &mut Inbox {
+        // Back at the configured level now, not only at its next transaction's start.
+        if let Err(e) = self.inbox.conn.end_relaxed() {
+            log::warn!(
+                "cannot restore the inbox's synchronous level yet: {e}; its next transaction will"
+            );
+        }
         &mut self.inbox
     }
 
     /// Gives the inbox back.
-    pub fn into_inbox(self) -> Inbox {
+    pub fn into_inbox(mut self) -> Inbox {
+        self.stop_pipeline();
+        if let Err(e) = self.inbox.conn.end_relaxed() {
+            log::warn!(
+                "cannot restore the inbox's synchronous level yet: {e}; its next transaction will"
+            );
+        }
         self.inbox
     }
 
@@ -344,14 +384,16 @@ impl ConsumerCore {
 
     fn drop_held(&mut self, why: &str) {
         let n = self.held.len();
-        if n > 0 || self.queue.len() > 0 || !self.ready.is_empty() {
+        let syncing = self.pipeline.as_ref().map_or(0, Pipeline::len);
+        if n > 0 || self.queue.len() > 0 || !self.ready.is_empty() || syncing > 0 {
             log::info!(
                 "{why}: dropping {n} uncommitted deliveries and {} unsent acks of the old connection; \
                  the broker redelivers them",
-                self.ready.len()
+                self.ready.len() + syncing
             );
         }
-        self.summary.dropped_stale += (n + self.ready.len()) as u64;
+        let syncing = self.pipeline.as_mut().map_or(0, Pipeline::clear);
+        self.summary.dropped_stale += (n + self.ready.len() + syncing) as u64;
         self.held.clear();
         self.queue.clear();
         self.ready.clear();
@@ -382,7 +424,7 @@ impl ConsumerCore {
         }
         let ticket = self.queue.push(Some(packet_id));
         self.queue.settle(ticket);
-        self.release_acks();
+        self.release_acks(false);
     }
 
     /// The next ack safe to send, in arrival order; send it with [`AckGate::send`].
@@ -412,17 +454,48 @@ impl ConsumerCore {
         if n == 0 {
             return Ok(0);
         }
+        if self.pipeline.is_some() && !self.recover_failed_sync()? {
+            return Ok(0);
+        }
+        if let Some(p) = &mut self.pipeline {
+            if p.choose() {
+                // Until the connection is handed out again ([`ConsumerCore::inbox`]) or the syncs are
+                // fast: its commits are made durable by the sync thread before anything of them is acked.
+                self.inbox.conn.start_relaxed();
+            } else if let Err(e) = self.inbox.conn.end_relaxed() {
+                // The transaction's start sets the level again, or fails.
+                log::debug!("cannot restore the synchronous level yet: {e}");
+            }
+        }
+        let began = Instant::now();
         let mut batch = std::mem::take(&mut self.batch);
         batch.extend(self.held.drain(..n));
         let result = self.settle_batch(&mut batch, handler);
         batch.clear();
         self.batch = batch;
-        // Whatever was decided is durable, even when the batch then gave up.
-        self.health.flush();
+        let overlapped = self.pipeline.as_ref().is_some_and(Pipeline::overlapping);
+        // Whatever was decided is committed, even when the batch then gave up; durable once synced.
+        match &mut self.pipeline {
+            Some(p) if overlapped => {
+                p.commit_took(n, began.elapsed());
+                let request = p.request();
+                self.health.hold(request);
+            }
+            // Synced by its commit, but behind acks still waiting for the sync thread.
+            Some(p) if p.is_waiting() => {
+                p.full_commit_took(self.inbox.conn.last_commit.get());
+                self.health.hold(p.last_request());
+            }
+            Some(p) => {
+                p.full_commit_took(self.inbox.conn.last_commit.get());
+                self.health.flush();
+            }
+            None => self.health.flush(),
+        }
         self.publish_stats();
         match result {
             Ok(true) => {
-                self.release_acks();
+                self.release_acks(overlapped);
                 Ok(n)
             }
             Ok(false) => {
@@ -786,19 +859,144 @@ impl ConsumerCore {
         self.queue.clear();
     }
 
-    /// Moves the acks of the settled prefix of the queue to the ready list.
-    fn release_acks(&mut self) {
+    /// Moves the acks of the settled prefix of the queue to the ready list; with the pipeline, those of a
+    /// batch just committed (`committed`), and any behind acks still waiting, wait for their sync.
+    fn release_acks(&mut self, committed: bool) {
         let Some(connection) = self.connection else {
             return;
         };
         while let Some(token) = self.queue.pop_ready() {
             if let Some(packet_id) = token {
-                self.ready.push_back(Ack {
+                let ack = Ack {
                     connection,
                     packet_id,
-                });
+                };
+                match &mut self.pipeline {
+                    Some(p) if committed || p.is_waiting() => p.wait(ack),
+                    _ => self.ready.push_back(ack),
+                }
             }
         }
+    }
+
+    /// Starts the sync thread for a commit loop that overlaps commits with their syncs, when
+    /// [`ConsumerCore::overlap_syncs`] is on and the inbox syncs every commit. `wake` runs on that thread
+    /// after each sync. Without the thread (it could not start: logged) every commit syncs itself.
+    pub(crate) fn start_pipeline(&mut self, wake: Box<dyn Fn() + Send>) {
+        let config = self.inbox.config();
+        if self.overlap_syncs == SyncOverlap::Off
+            || config.get_synchronous() != crate::store::config::Synchronous::Full
+            || self.pipeline.is_some()
+        {
+            return;
+        }
+        match crate::store::group_sync::GroupSync::start(self.inbox.path(), config, wake) {
+            Ok(sync) => self.pipeline = Some(Pipeline::new(sync, self.overlap_syncs)),
+            Err(e) => log::warn!(
+                "cannot start the sync thread ({e}); every commit syncs before the next one begins"
+            ),
+        }
+    }
+
+    /// Ends the sync thread (after the sync under way): acks still waiting for a sync are dropped and
+    /// counted, and the connection goes back to syncing its own commits.
+    pub(crate) fn stop_pipeline(&mut self) {
+        let Some(mut p) = self.pipeline.take() else {
+            return;
+        };
+        let left = p.clear();
+        if left > 0 {
+            log::info!(
+                "the commit loop ended before the sync of {left} committed deliveries: left unacked; the broker \
+                 redelivers them"
+            );
+            self.summary.dropped_stale += left as u64;
+        }
+        self.health.forget_held();
+        drop(p);
+        if let Err(e) = self.inbox.conn.end_relaxed() {
+            log::warn!(
+                "cannot restore the inbox's synchronous level yet: {e}; its next transaction will"
+            );
+        }
+    }
+
+    /// How long the held deliveries should wait before they are committed (`None`: commit now). Always now
+    /// without the pipeline, or with a full batch. With it, a batch is committed so that its commit ends as
+    /// the sync under way ends (from the measured times of both): the next sync then covers it, and what
+    /// arrives until then joins it.
+    pub(crate) fn commit_wait(&self) -> Option<Duration> {
+        let p = self.pipeline.as_ref().filter(|p| p.overlapping())?;
+        if self.held.len() >= self.batch_size {
+            return None;
+        }
+        p.sync.commit_wait(p.commit_estimate(self.held.len()))
+    }
+
+    /// Acks of committed deliveries waiting for a sync.
+    pub(crate) fn acks_syncing(&self) -> usize {
+        self.pipeline.as_ref().map_or(0, Pipeline::len)
+    }
+
+    /// Makes the acks (and events) of every synced commit ready. After a failed sync, first writes the WAL
+    /// out again (retried as storage errors are); `Err` once that failed for longer than the retry limit.
+    pub(crate) fn take_synced(&mut self) -> Result<()> {
+        if self.pipeline.is_none() || !self.recover_failed_sync()? {
+            return Ok(());
+        }
+        if let Some(p) = &mut self.pipeline {
+            let synced = p.sync.synced();
+            p.release(synced, &mut self.ready);
+            self.health.release(synced);
+        }
+        Ok(())
+    }
+
+    /// Waits (at most `timeout`) until the acks waiting for a sync are ready.
+    pub(crate) fn finish_syncs(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.take_synced()?;
+            let Some(p) = &self.pipeline else {
+                return Ok(());
+            };
+            if !p.is_waiting() {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(());
+            }
+            let last = p.last_request();
+            p.sync.wait(last, left.min(Duration::from_millis(100)));
+        }
+    }
+
+    /// After a failed sync of the thread: the committing connection writes the whole WAL out again and
+    /// syncs it (nothing may be acked or committed before), and then every commit so far is durable.
+    /// `Ok(false)` when it gave up for now (the connection ended, or a stop).
+    fn recover_failed_sync(&mut self) -> Result<bool> {
+        let Some(p) = &mut self.pipeline else {
+            return Ok(true);
+        };
+        let Some(code) = p.sync.failed() else {
+            return Ok(true);
+        };
+        // Every time, also when a transaction's start wrote the WAL out since: commits may have followed.
+        self.inbox.conn.note_wal_sync_failed(code);
+        match self.backoff("write the WAL out again", true, |inbox| {
+            inbox.conn.write_out_unsynced_wal()
+        }) {
+            Tried::Done(()) => {}
+            Tried::GaveUp | Tried::Failed(_) => return Ok(false),
+            Tried::Exhausted(e) => return Err(e),
+        }
+        if let Some(p) = &mut self.pipeline {
+            p.sync.recovered();
+            p.release_all(&mut self.ready);
+            self.health.release(u64::MAX);
+        }
+        Ok(true)
     }
 }
 

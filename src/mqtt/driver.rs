@@ -35,6 +35,10 @@ pub(crate) enum Event {
     },
     /// The connection cannot succeed (refused credentials, bad TLS material): the run ends with it.
     Failed(Error),
+    /// The sync thread ended a sync: acks may be ready, and a commit may begin.
+    Synced,
+    /// The feed was dropped (the sync thread's waker keeps the channel open).
+    Closed,
 }
 
 /// The commit thread is gone (it stopped, or ended with an error): nothing more can be fed.
@@ -83,7 +87,18 @@ impl fmt::Debug for Feed {
     }
 }
 
+impl Drop for Feed {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Event::Closed);
+    }
+}
+
 impl Feed {
+    /// A sender for the commit loop's own wake-ups (the sync thread's).
+    pub(crate) fn waker(&self) -> Sender<Event> {
+        self.tx.clone()
+    }
+
     fn send(&self, e: Event) -> std::result::Result<(), FeedClosed> {
         self.tx.send(e).map_err(|_| FeedClosed)
     }
@@ -244,6 +259,11 @@ pub(crate) struct Driver<'a, S: PubAckSender> {
     /// The budget's bytes of each delivery the core holds, in arrival order (the core lets go of its
     /// deliveries oldest first, or all at once).
     held: VecDeque<usize>,
+    /// Wakes the loop when the sync thread ended a sync.
+    waker: Sender<Event>,
+    /// The feed is gone (this loop and the sync thread hold senders of the channel, so it never
+    /// disconnects while they run).
+    closed: bool,
 }
 
 // Also when the handler panics: a reader waiting for room in the budget must wake and find the feed closed,
@@ -251,6 +271,7 @@ pub(crate) struct Driver<'a, S: PubAckSender> {
 impl<S: PubAckSender> Drop for Driver<'_, S> {
     fn drop(&mut self) {
         self.budget.close();
+        self.core.stop_pipeline();
         // Committed, but the loop ended (an error, the feed closed) before their acks could be queued.
         if self.core.acks_ready() > 0 {
             self.drop_unsent_acks("the commit loop ended before the acks");
@@ -266,8 +287,11 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         sender: &'a S,
         window: usize,
         budget: Budget,
+        waker: Sender<Event>,
     ) -> Self {
         Driver {
+            waker,
+            closed: false,
             budget,
             held: VecDeque::new(),
             exit_when_idle: core.exit_when_idle,
@@ -288,6 +312,10 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         let mut acks_waiting = false;
         let stop = self.core.stop.clone();
         let _running = self.core.health.running();
+        let waker = self.waker.clone();
+        self.core.start_pipeline(Box::new(move || {
+            let _ = waker.send(Event::Synced);
+        }));
         loop {
             self.core.health.turn();
             self.core.publish_stats();
@@ -316,14 +344,17 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                 Duration::from_millis(100)
             };
             let closed = self.collect(&stop, first_wait)?;
-            if self.core.unsettled() > 0 {
+            if self.core.unsettled() > 0 && (closed || self.core.commit_wait().is_none()) {
                 let settled = self.core.settle(handler);
                 self.release_settled();
                 settled?;
                 last_activity = Instant::now();
             }
+            self.core.take_synced()?;
             acks_waiting = self.send_acks();
             if closed && self.core.unsettled() == 0 {
+                self.core.finish_syncs(STOP_WAIT)?;
+                self.send_acks();
                 return Ok(End::Closed);
             }
             // A (re)connection is activity too: idle time counts from the latest session start, so a slow
@@ -348,10 +379,20 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         let size = self.core.batch_size;
         let linger = self.core.linger;
         let mut deadline: Option<Instant> = None;
+        if self.closed {
+            return Ok(true);
+        }
         while self.core.unsettled() < size {
-            let wait = match deadline {
-                None => first_wait,
-                Some(d) => d.saturating_duration_since(Instant::now()),
+            // While the batch should wait for the sync under way, the loop waits for the next event (the
+            // sync thread's wake-up among them) or the time to commit.
+            let hold = match self.core.unsettled() {
+                0 => None,
+                _ => self.core.commit_wait(),
+            };
+            let wait = match (hold, deadline) {
+                (Some(hold), _) => hold.min(first_wait),
+                (None, Some(d)) => d.saturating_duration_since(Instant::now()),
+                (None, None) => first_wait,
             };
             let next = if wait.is_zero() {
                 self.rx.try_recv().map_err(|e| match e {
@@ -364,9 +405,20 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
             let event = match next {
                 Ok(e) => e,
                 Err(RecvTimeoutError::Timeout) => break,
-                Err(RecvTimeoutError::Disconnected) => return Ok(true),
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.closed = true;
+                    return Ok(true);
+                }
             };
             match event {
+                Event::Synced => {
+                    self.core.take_synced()?;
+                    self.send_acks();
+                }
+                Event::Closed => {
+                    self.closed = true;
+                    return Ok(true);
+                }
                 Event::Connected {
                     connection,
                     session_present,
@@ -437,6 +489,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
     /// for the broker to redeliver, and dropped rather than held.
     fn finish_acks(&mut self) -> Result<()> {
         let started = Instant::now();
+        self.core.finish_syncs(STOP_WAIT)?;
         self.budget.lend();
         let result = loop {
             if !self.send_acks() {
@@ -462,7 +515,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                     Event::Lost { connection, cause } => {
                         self.core.connection_lost_because(connection, cause)
                     }
-                    Event::PassThrough { .. } => {}
+                    Event::PassThrough { .. } | Event::Synced | Event::Closed => {}
                     Event::Failed(e) => failed = Some(e),
                 }
             }
@@ -499,7 +552,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
     /// held, and the acks waiting for the client's event loop are kept as runs of packet ids; said once
     /// per connection.
     fn warn_if_overfed(&mut self, connection: ConnectionId) {
-        let unacked = self.core.acks_ready() + self.core.unsettled();
+        let unacked = self.core.acks_ready() + self.core.acks_syncing() + self.core.unsettled();
         if unacked > self.window && self.overfed_warned != Some(connection) {
             self.overfed_warned = Some(connection);
             log::warn!(
@@ -571,12 +624,21 @@ impl ConsumerCore {
         let stop = core.stop_handle();
         let budget = Budget::new(core.memory_budget);
         let (feed, rx) = channel(gate.clone(), budget.clone());
+        let waker = feed.waker();
         let handle = std::thread::Builder::new()
             .name(format!("inbox-commit-{}", core.scope))
             .spawn(move || {
                 let window = usize::from(window.max(1));
-                let ran = Driver::new(&mut core, &rx, &gate, &client, window, budget.clone())
-                    .run(&mut handler);
+                let ran = Driver::new(
+                    &mut core,
+                    &rx,
+                    &gate,
+                    &client,
+                    window,
+                    budget.clone(),
+                    waker,
+                )
+                .run(&mut handler);
                 core.summary.peak_held_bytes = budget.peak() as u64;
                 let result = ran.map(|_| core.summary);
                 core.health

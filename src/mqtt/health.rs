@@ -2,6 +2,7 @@
 //! and live statistics readable from any thread. Both are fed by the thread that owns the
 //! [`ConsumerCore`](crate::ConsumerCore) and never make it wait.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
@@ -54,8 +55,9 @@ pub enum HealthEvent {
         /// learnt of the next connection first, "the run ended" at the end of a `Consumer::run`.
         cause: Option<String>,
     },
-    /// A delivery's fate, sent once the commit (or rollback, for a failed attempt) that decided it has
-    /// returned: durable, but not yet acked (its PUBACK follows; a redelivery after a reconnect is then a
+    /// A delivery's fate, sent once the commit (or rollback, for a failed attempt) that decided it is
+    /// durable (it returned, or with [overlapping syncs](crate::SyncOverlap) a sync covered it), but not
+    /// yet acked (its PUBACK follows; a redelivery after a reconnect is then a
     /// [`Settled::Duplicate`]).
     Delivery {
         /// The connection it arrived on.
@@ -168,6 +170,9 @@ pub(crate) struct Health {
     pub(crate) ticket: u64,
     /// A batch's delivery events until its settling ends, with their tickets.
     batch: Vec<(u64, HealthEvent)>,
+    /// Settled batches' events waiting for the sync that makes their commit durable, by the number of the
+    /// sync request that followed the commit (see [`Health::hold`]).
+    held: VecDeque<(u64, Vec<(u64, HealthEvent)>)>,
     last_lost_cause: Option<String>,
 }
 
@@ -179,6 +184,7 @@ impl Health {
             scope: scope.into(),
             ticket: 0,
             batch: Vec::new(),
+            held: VecDeque::new(),
             last_lost_cause: None,
         }
     }
@@ -249,6 +255,37 @@ impl Health {
             self.send(event);
         }
         self.batch = batch;
+    }
+
+    /// Like [`Health::flush`], for a batch committed without its own sync: its events wait until sync
+    /// request `request` is done ([`Health::release`]).
+    pub(crate) fn hold(&mut self, request: u64) {
+        if self.batch.is_empty() {
+            return;
+        }
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.sort_by_key(|(ticket, _)| *ticket);
+        self.held.push_back((request, batch));
+    }
+
+    /// Sends the held events of every batch that sync request `synced` covers, in order.
+    pub(crate) fn release(&mut self, synced: u64) {
+        while let Some((request, _)) = self.held.front() {
+            if *request > synced {
+                break;
+            }
+            let Some((_, batch)) = self.held.pop_front() else {
+                break;
+            };
+            for (_, event) in batch {
+                self.send(event);
+            }
+        }
+    }
+
+    /// Drops the held events: their sync will not come (the run ended without it).
+    pub(crate) fn forget_held(&mut self) {
+        self.held.clear();
     }
 
     /// Publishes the counts, unless a reader holds the lock right now (the next turn publishes them).

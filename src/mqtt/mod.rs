@@ -22,6 +22,8 @@ pub(crate) mod extract;
 pub(crate) mod gate;
 #[cfg(feature = "mqtt")]
 pub(crate) mod health;
+#[cfg(feature = "mqtt")]
+pub(crate) mod pipeline;
 pub(crate) mod property_bag;
 #[cfg(feature = "mqtt")]
 pub(crate) mod ready_acks;

@@ -65,6 +65,8 @@ pub(crate) struct Db {
     pub(crate) path: std::path::PathBuf,
     /// Commits at least this slow are logged.
     pub(crate) slow_commit: Option<std::time::Duration>,
+    /// How long the latest successful `COMMIT` took (its sync included, at `synchronous=FULL`).
+    pub(crate) last_commit: Cell<std::time::Duration>,
     /// Shared with the connection's commit and rollback hooks: see [`HandlerGuard`].
     guard: Arc<HandlerGuard>,
     /// The database's identity key (read when the inbox opens; it never changes).
@@ -312,6 +314,7 @@ impl Db {
                 waiter,
                 path,
                 slow_commit: None,
+                last_commit: Cell::new(std::time::Duration::ZERO),
                 guard,
                 id_key: crate::store::identity::IdKey::UNKEYED,
                 clock_seen: Cell::new(0),

@@ -7,6 +7,8 @@ pub(crate) mod config;
 pub(crate) mod db;
 pub(crate) mod error;
 pub(crate) mod files;
+#[cfg(feature = "mqtt")]
+pub(crate) mod group_sync;
 pub(crate) mod identity;
 pub(crate) mod outcome;
 pub(crate) mod records;

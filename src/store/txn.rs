@@ -49,7 +49,7 @@ pub(crate) fn write<T>(conn: &Db, f: impl FnOnce() -> Result<T>) -> Result<T> {
 /// full disk leave nothing committed; any other failure (I/O above all) leaves the outcome unknown. A commit
 /// into a database file that is no longer at its path is [`Error::DatabaseGone`]: it can never be durable.
 pub(crate) fn commit(conn: &Db) -> Result<()> {
-    let started = conn.slow_commit.map(|_| std::time::Instant::now());
+    let started = std::time::Instant::now();
     let staged = conn.wear.stage(conn);
     conn.commit_raw().map_err(|e| {
         let code = extended_code(&e).unwrap_or(-1);
@@ -83,8 +83,9 @@ pub(crate) fn commit(conn: &Db) -> Result<()> {
             ),
         });
     }
-    if let (Some(started), Some(threshold)) = (started, conn.slow_commit) {
-        let took = started.elapsed();
+    let took = started.elapsed();
+    conn.last_commit.set(took);
+    if let Some(threshold) = conn.slow_commit {
         if took >= threshold {
             log::warn!("slow commit: COMMIT took {took:?} (warning threshold {threshold:?})");
         }

@@ -99,7 +99,13 @@ fn consistency(
         }
     }
     // The processed counter commits with the effects it counts.
-    for scope in [workload::SINGLE, workload::BATCHED, OUTBOX, NUMBERED] {
+    for scope in [
+        workload::SINGLE,
+        workload::BATCHED,
+        workload::OVERLAPPED,
+        OUTBOX,
+        NUMBERED,
+    ] {
         let applied = run
             .items
             .iter()
@@ -230,6 +236,7 @@ pub fn check(run: &Run, snap: &Snapshot, cut: Cut, dir: &Path) -> Findings {
     for scope in [
         workload::SINGLE,
         workload::BATCHED,
+        workload::OVERLAPPED,
         OUTBOX,
         NUMBERED,
         DEFERRED,

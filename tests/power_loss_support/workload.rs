@@ -3,12 +3,12 @@
 //! a scope with sequence watermarks, and retention passes (payload pruning, incremental vacuum, checkpoint).
 //! Every call that returns `Ok` is recorded as an acknowledgement, in order.
 
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use edge_inbox::{
-    Completion, Config, Delivery, Inbox, OutboxProperties, Outcome, Pruning, Qos, RetentionPolicy,
-    Synchronous, Tx, Worker, WorkerConfig,
+    Completion, Config, ConsumerCore, Delivery, Inbound, Inbox, OutboxProperties, Outcome, Pruning,
+    PubAckSender, Qos, RetentionPolicy, SyncOverlap, Synchronous, Tx, Worker, WorkerConfig,
 };
 
 use super::disk::{Disk, Snapshot};
@@ -18,6 +18,9 @@ use super::vfs;
 pub const SINGLE: &str = "inventory-reservation";
 /// Group commit on: batches of deliveries in one transaction.
 pub const BATCHED: &str = "inventory-batched";
+/// The consumer core's commit loop, each batch committed without its own sync while the sync thread syncs
+/// the one before; an ack is recorded when the loop sends the PUBACK.
+pub const OVERLAPPED: &str = "inventory-overlapped";
 /// Handlers that publish through the outbox.
 pub const OUTBOX: &str = "stock-announcer";
 /// Received-then-deferred, applied by a worker.
@@ -184,6 +187,76 @@ impl Driver {
     }
 }
 
+/// Records each PUBACK the commit loop sends (the packet id is the item's index + 1, modulo 2^16), with the
+/// disk's count of acknowledgements, at the instant it is sent.
+struct Recorder {
+    disk: Arc<Disk>,
+    /// Acknowledgements recorded before this loop.
+    base: usize,
+    sent: Arc<Mutex<Vec<(u16, u64)>>>,
+}
+
+impl PubAckSender for Recorder {
+    fn try_puback(&self, packet_id: u16) -> bool {
+        let mut sent = self.sent.lock().unwrap();
+        sent.push((packet_id, self.disk.wal_syncs()));
+        self.disk.set_acked(self.base + sent.len());
+        true
+    }
+}
+
+/// Feeds `batch` to a consumer core running on its commit thread with overlapping syncs, waits for every
+/// PUBACK, and gives the inbox back.
+fn overlapped_commits(inbox: Inbox, d: &mut Driver, batch: &[usize]) -> Inbox {
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let recorder = Recorder {
+        disk: d.disk.clone(),
+        base: d.acks.len(),
+        sent: sent.clone(),
+    };
+    let core = ConsumerCore::new(inbox, OVERLAPPED)
+        .batch(3, Duration::ZERO)
+        .overlap_syncs(SyncOverlap::On);
+    let (mut feed, commits) = core.spawn(bump, recorder, 64).unwrap();
+    feed.connected(true).unwrap();
+    for &i in batch {
+        let it = &d.items[i];
+        let inbound = Inbound::new("orders/created", it.payload.clone())
+            .with_user_property("message-id", it.id.clone());
+        feed.publish(inbound, Some(packet_id(i))).unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sent.lock().unwrap().len() < batch.len() {
+        assert!(
+            Instant::now() < deadline,
+            "the commit loop acked {:?}",
+            sent
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    commits.stop();
+    let (core, result) = commits.join();
+    let summary = result.unwrap();
+    assert_eq!(summary.processed, batch.len() as u64, "{summary:?}");
+    drop(feed);
+    for &(packet, wal_syncs) in sent.lock().unwrap().iter() {
+        let item = *batch
+            .iter()
+            .find(|&&i| packet_id(i) == packet)
+            .expect("a PUBACK of the batch");
+        d.acks.push(Ack {
+            item,
+            promise: Promise::Effect,
+            wal_syncs,
+        });
+    }
+    core.into_inbox()
+}
+
+fn packet_id(item: usize) -> u16 {
+    (item % 65_535 + 1) as u16
+}
+
 fn expect_new(outcome: &Outcome, what: &str) {
     assert!(
         matches!(outcome, Outcome::Processed | Outcome::Received),
@@ -245,6 +318,13 @@ pub fn run(vfs_name: &str, plan: Plan) -> Run {
             expect_new(o, "batched");
             d.ack(i, Promise::Effect);
         }
+        d.done_step();
+
+        // The consumer core's loop, commits overlapping their syncs: 8 deliveries fed at once, in batches
+        // of up to 3, each acked only once a sync covers its commit.
+        disk.phase("overlapped commits", false);
+        let batch: Vec<usize> = (0..8).map(|_| d.item(OVERLAPPED, None)).collect();
+        inbox = overlapped_commits(inbox, &mut d, &batch);
         d.done_step();
 
         // Outbox: effect and message to publish in one commit.
