@@ -327,6 +327,7 @@ impl E2eContender {
                         // itself at the last delivery.
                         let mut consumer = Consumer::new(inbox, super::SCOPE, mqtt)
                             .batch(batch, Duration::ZERO)
+                            .overlap_syncs(super::overlap_syncs())
                             .exit_when_idle(Duration::from_secs(30));
                         let stop = consumer.stop_handle();
                         let mut seen = 0usize;

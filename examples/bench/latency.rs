@@ -266,6 +266,7 @@ fn run_one(
                 s.spawn(move || {
                     // Default batching; the idle exit only bounds a run that lost deliveries.
                     let mut consumer = Consumer::new(inbox, super::SCOPE, mqtt)
+                        .overlap_syncs(super::overlap_syncs())
                         .exit_when_idle(Duration::from_secs(30));
                     let stop = consumer.stop_handle();
                     let mut seen = 0usize;

@@ -58,6 +58,24 @@ struct Counting;
 
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 static TRACE: AtomicBool = AtomicBool::new(false);
+/// The `Consumer`'s `overlap_syncs` in the e2e and latency modes.
+#[cfg(feature = "mqtt")]
+static OVERLAP_SYNCS: Mutex<edge_inbox::SyncOverlap> = Mutex::new(edge_inbox::SyncOverlap::Auto);
+
+#[cfg(feature = "mqtt")]
+fn set_overlap_syncs(mode: &str) {
+    *OVERLAP_SYNCS.lock().unwrap() = match mode {
+        "on" => edge_inbox::SyncOverlap::On,
+        "off" => edge_inbox::SyncOverlap::Off,
+        _ => edge_inbox::SyncOverlap::Auto,
+    };
+}
+
+/// `--overlap-syncs`.
+#[cfg(feature = "mqtt")]
+pub(crate) fn overlap_syncs() -> edge_inbox::SyncOverlap {
+    *OVERLAP_SYNCS.lock().unwrap()
+}
 static TRACES: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 thread_local! {
@@ -145,6 +163,9 @@ struct Args {
     /// e2e and latency: run mosquitto with its default Nagle's algorithm instead of `set_tcp_nodelay true`.
     #[arg(long)]
     broker_nagle: bool,
+    /// e2e and latency: the `Consumer`'s `overlap_syncs`: `auto` (the default), `on` or `off`.
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "on", "off"])]
+    overlap_syncs: String,
 }
 
 /// The modes of `--mode`.
@@ -190,6 +211,8 @@ fn main() -> anyhow::Result<()> {
     set_inbox_config(config);
     #[cfg(feature = "mqtt")]
     e2e::set_broker_nagle(args.broker_nagle);
+    #[cfg(feature = "mqtt")]
+    set_overlap_syncs(&args.overlap_syncs);
     if args.sync_delay_ms > 0 {
         println!(
             "Field storage: every sync takes {} ms more (simulated).",
