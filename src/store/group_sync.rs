@@ -209,6 +209,10 @@ fn run(conn: &Connection, shared: &Shared, on_synced: &dyn Fn()) {
         if s.stop {
             return;
         }
+        // Every commit asked for until now has returned: this sync, beginning after, covers them all (the
+        // thread may have been slow to wake).
+        s.started = s.requested;
+        s.began = Some(Instant::now());
         let target = s.started;
         drop(s);
         let began = Instant::now();
