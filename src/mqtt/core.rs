@@ -265,8 +265,9 @@ impl ConsumerCore {
     /// The connection and outcome events of this core, over a bounded channel of `capacity` events (at
     /// least 1). Never blocks the commit thread: an event that finds the channel full is dropped and
     /// counted ([`HealthEvents::dropped`]). A delivery's event is sent once the commit that decided it
-    /// is durable (returned, or with overlapping syncs synced), before its PUBACK; a batch's events in arrival order. Call it before
-    /// [`ConsumerCore::spawn`]; a second call ends the first receiver's stream.
+    /// is durable (it returned, or with overlapping syncs a sync covered it), before its PUBACK; a batch's
+    /// events in arrival order. Call it before [`ConsumerCore::spawn`]; a second call ends the first
+    /// receiver's stream.
     pub fn events(&mut self, capacity: usize) -> HealthEvents {
         self.health.subscribe(capacity)
     }
@@ -907,8 +908,8 @@ impl ConsumerCore {
         let left = p.clear();
         if left > 0 {
             log::info!(
-                "the commit loop ended before the sync of {left} committed deliveries: left unacked; the broker \
-                 redelivers them"
+                "the commit loop ended before the sync of {left} committed deliveries: left unacked; \
+                 the broker redelivers them"
             );
             self.summary.dropped_stale += left as u64;
         }
@@ -952,7 +953,8 @@ impl ConsumerCore {
         Ok(())
     }
 
-    /// Waits (at most `timeout`) until the acks waiting for a sync are ready.
+    /// Waits (at most `timeout`) until the acks waiting for a sync are ready. After a failed sync whose
+    /// WAL could not be written out again (a stop gives up at once), the rest stay unacked.
     pub(crate) fn finish_syncs(&mut self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
@@ -960,7 +962,7 @@ impl ConsumerCore {
             let Some(p) = &self.pipeline else {
                 return Ok(());
             };
-            if !p.is_waiting() {
+            if !p.is_waiting() || p.sync.failed().is_some() {
                 return Ok(());
             }
             let left = deadline.saturating_duration_since(Instant::now());
