@@ -7,13 +7,16 @@
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use edge_inbox::rusqlite::ffi;
 use edge_inbox::{
-    Config, ConsumerCore, Delivery, Feed, HealthEvent, Inbound, Inbox, PubAckSender, Settled,
+    Config, ConsumerCore, Delivery, Feed, HealthEvent, Inbound, Inbox, RunSummary, Settled,
     SyncOverlap, Tx,
 };
+
+mod common;
+use common::SentAcks;
 
 #[path = "../examples/support/wrap_vfs.rs"]
 mod wrap_vfs;
@@ -78,35 +81,6 @@ fn bump(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The PUBACKs a commit loop sends, in order.
-#[derive(Clone, Default)]
-struct Sent(Arc<Mutex<Vec<u16>>>);
-
-impl PubAckSender for Sent {
-    fn try_puback(&self, packet_id: u16) -> bool {
-        self.0.lock().unwrap().push(packet_id);
-        true
-    }
-}
-
-impl Sent {
-    fn wait_for(&self, n: usize) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while self.0.lock().unwrap().len() < n {
-            assert!(
-                Instant::now() < deadline,
-                "{n} PUBACKs: only {} in 20 s",
-                self.0.lock().unwrap().len()
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-
-    fn all(&self) -> Vec<u16> {
-        self.0.lock().unwrap().clone()
-    }
-}
-
 fn publish(feed: &mut Feed, id: &str, packet_id: u16) {
     let inbound =
         Inbound::new("orders/created", id.as_bytes().to_vec()).with_user_property("message-id", id);
@@ -131,6 +105,30 @@ fn feed_all(feed: &mut Feed, n: usize) -> Vec<u16> {
     order
 }
 
+/// Runs `core` on its commit thread over `n` deliveries (with pass-throughs, [`feed_all`]), waits for every
+/// PUBACK, then ends the loop with a stop, or by dropping the feed (`drop_feed`). Returns the core, the
+/// run's summary, the PUBACKs sent and the arrival order.
+fn run(
+    core: ConsumerCore,
+    n: usize,
+    drop_feed: bool,
+) -> (ConsumerCore, RunSummary, Vec<u16>, Vec<u16>) {
+    let sent = SentAcks::default();
+    let (mut feed, commits) = core.spawn(bump, sent.clone(), 1000).unwrap();
+    feed.connected(true).unwrap();
+    let order = feed_all(&mut feed, n);
+    if drop_feed {
+        // No stop: the loop ends because its feed is gone, after the last batch is committed, synced and
+        // acked.
+        drop(feed);
+    } else {
+        sent.wait_for(order.len());
+        commits.stop();
+    }
+    let (core, result) = commits.join();
+    (core, result.unwrap(), sent.all(), order)
+}
+
 #[test]
 fn on_a_slow_card_commits_overlap_their_syncs_and_acks_leave_in_arrival_order() {
     let dir = tempfile::tempdir().unwrap();
@@ -138,15 +136,8 @@ fn on_a_slow_card_commits_overlap_their_syncs_and_acks_leave_in_arrival_order() 
     // One delivery per commit: taking turns with the disk, 60 commits would need 60 syncs.
     let mut core = ConsumerCore::new(inbox, SCOPE).batch(1, Duration::ZERO);
     let events = core.events(1000);
-    let sent = Sent::default();
-    let (mut feed, commits) = core.spawn(bump, sent.clone(), 1000).unwrap();
-    feed.connected(true).unwrap();
-    let order = feed_all(&mut feed, 60);
-    sent.wait_for(order.len());
-    commits.stop();
-    let (mut core, result) = commits.join();
-    let summary = result.unwrap();
-    assert_eq!(sent.all(), order, "PUBACKs in arrival order");
+    let (mut core, summary, sent, order) = run(core, 60, false);
+    assert_eq!(sent, order, "PUBACKs in arrival order");
     assert_eq!(summary.processed, 60, "{summary:?}");
     assert_eq!(summary.batches, 60, "{summary:?}");
     let overlapped = sync_thread_syncs("auto.db");
@@ -177,7 +168,6 @@ fn on_a_slow_card_commits_overlap_their_syncs_and_acks_leave_in_arrival_order() 
     assert_eq!(level, 2);
     let stats = inbox.scope_stats(SCOPE).unwrap();
     assert_eq!(stats.processed, 60);
-    drop(feed);
 }
 
 #[test]
@@ -187,18 +177,11 @@ fn with_the_overlap_off_the_sync_thread_never_syncs() {
     let core = ConsumerCore::new(inbox, SCOPE)
         .batch(1, Duration::ZERO)
         .overlap_syncs(SyncOverlap::Off);
-    let sent = Sent::default();
-    let (mut feed, commits) = core.spawn(bump, sent.clone(), 1000).unwrap();
-    feed.connected(true).unwrap();
-    let order = feed_all(&mut feed, 20);
-    sent.wait_for(order.len());
-    commits.stop();
-    let (_core, result) = commits.join();
-    assert_eq!(result.unwrap().processed, 20);
-    assert_eq!(sent.all(), order);
+    let (_core, summary, sent, order) = run(core, 20, false);
+    assert_eq!(summary.processed, 20);
+    assert_eq!(sent, order);
     assert!(OPENED.load(Ordering::Relaxed) > 0);
     assert_eq!(sync_thread_syncs("off.db"), 0);
-    drop(feed);
 }
 
 #[test]
@@ -208,16 +191,9 @@ fn a_dropped_feed_ends_the_loop_once_every_commit_is_synced_and_acked() {
     let core = ConsumerCore::new(inbox, SCOPE)
         .batch(4, Duration::ZERO)
         .overlap_syncs(SyncOverlap::On);
-    let sent = Sent::default();
-    let (mut feed, commits) = core.spawn(bump, sent.clone(), 1000).unwrap();
-    feed.connected(true).unwrap();
-    let order = feed_all(&mut feed, 30);
-    // No stop: the loop ends because its feed is gone, after the last batch is committed, synced and acked.
-    drop(feed);
-    let (_core, result) = commits.join();
-    let summary = result.unwrap();
+    let (_core, summary, sent, order) = run(core, 30, true);
     assert_eq!(summary.processed, 30, "{summary:?}");
     assert_eq!(summary.dropped_stale, 0, "{summary:?}");
-    assert_eq!(sent.all(), order);
+    assert_eq!(sent, order);
     assert!(sync_thread_syncs("dropped.db") > 0);
 }

@@ -15,9 +15,11 @@ use edge_inbox::rusqlite::ffi;
 #[path = "../examples/support/wrap_vfs.rs"]
 mod wrap_vfs;
 use edge_inbox::{
-    Config, ConsumerCore, Delivery, Error, Inbound, Inbox, Outcome, Pruning, PubAckSender, Status,
-    SyncOverlap, Synchronous, Tx,
+    Config, ConsumerCore, Delivery, Error, Inbound, Inbox, Outcome, Pruning, Status, SyncOverlap,
+    Synchronous, Tx,
 };
+
+mod common;
 
 const SCOPE: &str = "inventory-reservation";
 const VFS: &str = "edge-inbox-failed-writeback";
@@ -312,31 +314,6 @@ fn a_commit_after_a_failed_wal_sync_is_not_acked_until_the_wal_is_written_out_ag
     );
 }
 
-/// The PUBACKs a commit loop sends, in order.
-#[derive(Clone, Default)]
-struct Sent(Arc<Mutex<Vec<u16>>>);
-
-impl PubAckSender for Sent {
-    fn try_puback(&self, packet_id: u16) -> bool {
-        self.0.lock().unwrap().push(packet_id);
-        true
-    }
-}
-
-impl Sent {
-    fn wait_for(&self, n: usize) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while self.0.lock().unwrap().len() < n {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{n} PUBACKs: only {:?} in 10 s",
-                self.0.lock().unwrap()
-            );
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-    }
-}
-
 /// A consumer core's commit loop commits without a sync of its own while the sync thread syncs the WAL. When
 /// that sync fails, the frames it should have written are lost: nothing committed since the last good sync is
 /// acked while the disk fails (the commit connection's rewrite of the WAL fails too), and once the WAL has
@@ -351,7 +328,7 @@ fn overlapped_commits_are_not_acked_after_a_failed_sync_until_the_wal_is_written
     let core = ConsumerCore::new(inbox, SCOPE)
         .overlap_syncs(SyncOverlap::On)
         .storage_retry_limit(std::time::Duration::from_secs(60));
-    let sent = Sent::default();
+    let sent = common::SentAcks::default();
     let (mut feed, commits) = core.spawn(bump, sent.clone(), 64).unwrap();
     feed.connected(true).unwrap();
     let publish = |feed: &mut edge_inbox::Feed, id: &str, packet_id: u16| {
@@ -372,10 +349,10 @@ fn overlapped_commits_are_not_acked_after_a_failed_sync_until_the_wal_is_written
     publish(&mut feed, "o-2", 2);
     publish(&mut feed, "o-3", 3);
     std::thread::sleep(std::time::Duration::from_millis(500));
-    assert_eq!(*sent.0.lock().unwrap(), [1], "acked while the disk fails");
+    assert_eq!(sent.all(), [1], "acked while the disk fails");
     FAIL_WAL_SYNC.store(false, Ordering::SeqCst);
     sent.wait_for(3);
-    assert_eq!(*sent.0.lock().unwrap(), [1, 2, 3]);
+    assert_eq!(sent.all(), [1, 2, 3]);
     check_after_power_cut(disk, "overlapped.db", &["o-1", "o-2", "o-3"]);
 
     // A stop while the disk fails again: the commit made is left unacked (the broker redelivers it), and
@@ -389,8 +366,11 @@ fn overlapped_commits_are_not_acked_after_a_failed_sync_until_the_wal_is_written
     let took = stopping.elapsed();
     FAIL_WAL_SYNC.store(false, Ordering::SeqCst);
     let summary = result.unwrap();
-    assert!(took < std::time::Duration::from_secs(5), "the stop took {took:?}");
-    assert_eq!(*sent.0.lock().unwrap(), [1, 2, 3], "acked while the disk fails");
+    assert!(
+        took < std::time::Duration::from_secs(5),
+        "the stop took {took:?}"
+    );
+    assert_eq!(sent.all(), [1, 2, 3], "acked while the disk fails");
     assert_eq!(
         (summary.processed, summary.acked, summary.dropped_stale),
         (4, 3, 1),

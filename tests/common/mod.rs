@@ -137,3 +137,38 @@ pub fn old_processed_file(path: &Path, scope: &str, n: usize) {
     conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
         .unwrap();
 }
+
+/// A `PubAckSender` that records the PUBACKs a commit loop sends, in order (a stand-in for the MQTT client
+/// where the test is about what the loop acks, not about the broker).
+#[cfg(feature = "mqtt")]
+#[derive(Clone, Default)]
+pub struct SentAcks(pub std::sync::Arc<std::sync::Mutex<Vec<u16>>>);
+
+#[cfg(feature = "mqtt")]
+impl edge_inbox::PubAckSender for SentAcks {
+    fn try_puback(&self, packet_id: u16) -> bool {
+        self.0.lock().unwrap().push(packet_id);
+        true
+    }
+}
+
+#[cfg(feature = "mqtt")]
+impl SentAcks {
+    /// Waits until `n` PUBACKs were sent; fails the test after 20 s.
+    pub fn wait_for(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.0.lock().unwrap().len() < n {
+            assert!(
+                Instant::now() < deadline,
+                "{n} PUBACKs: only {:?} in 20 s",
+                self.0.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// The packet ids sent so far, in order.
+    pub fn all(&self) -> Vec<u16> {
+        self.0.lock().unwrap().clone()
+    }
+}

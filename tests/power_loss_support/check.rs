@@ -33,6 +33,15 @@ impl Findings {
     }
 }
 
+/// The scopes whose acknowledgement promises the effect itself (the deferred one promises a stored message).
+const EFFECT_SCOPES: [&str; 5] = [
+    workload::SINGLE,
+    workload::BATCHED,
+    workload::OVERLAPPED,
+    OUTBOX,
+    NUMBERED,
+];
+
 fn materialize(run: &Run, snap: &Snapshot, cut: Cut, dir: &Path) {
     for entry in std::fs::read_dir(dir).unwrap() {
         std::fs::remove_file(entry.unwrap().path()).unwrap();
@@ -99,13 +108,7 @@ fn consistency(
         }
     }
     // The processed counter commits with the effects it counts.
-    for scope in [
-        workload::SINGLE,
-        workload::BATCHED,
-        workload::OVERLAPPED,
-        OUTBOX,
-        NUMBERED,
-    ] {
+    for scope in EFFECT_SCOPES {
         let applied = run
             .items
             .iter()
@@ -233,14 +236,7 @@ pub fn check(run: &Run, snap: &Snapshot, cut: Cut, dir: &Path) -> Findings {
     let lost_items: Vec<usize> = f.lost.iter().map(|&k| acks[k].item).collect();
     let must_be_duplicate = |i: usize| acked.contains_key(&i) && !lost_items.contains(&i);
     let mut outcomes = Vec::new();
-    for scope in [
-        workload::SINGLE,
-        workload::BATCHED,
-        workload::OVERLAPPED,
-        OUTBOX,
-        NUMBERED,
-        DEFERRED,
-    ] {
+    for scope in EFFECT_SCOPES.into_iter().chain([DEFERRED]) {
         let idx: Vec<usize> = (0..run.items.len())
             .filter(|&i| run.items[i].scope == scope)
             .collect();
