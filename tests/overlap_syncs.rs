@@ -197,3 +197,39 @@ fn a_dropped_feed_ends_the_loop_once_every_commit_is_synced_and_acked() {
     assert_eq!(sent, order);
     assert!(sync_thread_syncs("dropped.db") > 0);
 }
+
+#[test]
+fn events_of_deliveries_without_acks_still_leave_once_synced() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("qos0.db"), slow_card()).unwrap();
+    let mut core = ConsumerCore::new(inbox, SCOPE)
+        .batch(4, Duration::ZERO)
+        .overlap_syncs(SyncOverlap::On);
+    let events = core.events(1000);
+    let sent = SentAcks::default();
+    let (mut feed, commits) = core.spawn(bump, sent.clone(), 1000).unwrap();
+    feed.connected(true).unwrap();
+    // QoS0: no PUBACK to wait for; the loop ends because its feed is gone.
+    for k in 0..20 {
+        let id = format!("qos0-{k:02}");
+        let inbound = Inbound::new("orders/created", id.clone().into_bytes())
+            .with_user_property("message-id", id);
+        feed.publish(inbound, None).unwrap();
+    }
+    drop(feed);
+    let (_core, result) = commits.join();
+    assert_eq!(result.unwrap().processed, 20);
+    assert!(sent.all().is_empty());
+    let processed = std::iter::from_fn(|| events.try_recv())
+        .filter(|e| {
+            matches!(
+                e,
+                HealthEvent::Delivery {
+                    outcome: Settled::Processed,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(processed, 20, "an event for every delivery");
+}

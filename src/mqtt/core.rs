@@ -220,7 +220,12 @@ impl ConsumerCore {
     /// Overlapping, a batch commits without a sync of its own (`synchronous=NORMAL` for that transaction),
     /// and a thread of the inbox syncs the WAL meanwhile, through a second connection and the same VFS.
     /// The batch's PUBACKs and events leave once a sync that began after its commit returned has
-    /// succeeded: the promise is the same, the disk is just busy while the next batch commits. A batch is
+    /// succeeded: the promise is the same, the disk is just busy while the next batch commits. (Its
+    /// delivery events may then come after the [`HealthEvent::ConnectionLost`](crate::HealthEvent) of
+    /// their connection.) Other connections to the file see a commit before its sync: an outbox
+    /// [`Relay`](crate::Relay) may publish a message whose commit a power cut then undoes; the redelivery
+    /// commits it again under the same outbox message id, so the subscriber sees it twice, as a
+    /// duplicate it can recognise. A batch is
     /// committed so that its commit ends about when the sync under way ends (from the measured times of
     /// both), or at once when it is full, so batches still gather what arrives during a sync. A failed sync
     /// is not retried: nothing committed since the last good sync is acked until the connection has written
@@ -456,6 +461,9 @@ impl ConsumerCore {
             return Ok(0);
         }
         if self.pipeline.is_some() && !self.recover_failed_sync()? {
+            // The connection ended or a stop came while the WAL could not be written out again: what is
+            // held is left for the broker to redeliver, as when a commit gives up.
+            self.abandon(0);
             return Ok(0);
         }
         if let Some(p) = &mut self.pipeline {
@@ -482,8 +490,8 @@ impl ConsumerCore {
                 let request = p.request();
                 self.health.hold(request);
             }
-            // Synced by its commit, but behind acks still waiting for the sync thread.
-            Some(p) if p.is_waiting() => {
+            // Synced by its commit, but behind acks or events still waiting for the sync thread.
+            Some(p) if p.is_waiting() || self.health.holding() => {
                 p.full_commit_took(self.inbox.conn.last_commit.get());
                 self.health.hold(p.last_request());
             }
@@ -905,6 +913,10 @@ impl ConsumerCore {
         let Some(mut p) = self.pipeline.take() else {
             return;
         };
+        // Closing, the connection must not copy into the database file frames the disk may lack.
+        if let Some(code) = p.sync.failed() {
+            self.inbox.conn.note_wal_sync_failed(code);
+        }
         let left = p.clear();
         if left > 0 {
             log::info!(
@@ -962,7 +974,7 @@ impl ConsumerCore {
             let Some(p) = &self.pipeline else {
                 return Ok(());
             };
-            if !p.is_waiting() || p.sync.failed().is_some() {
+            if p.sync.synced() >= p.last_request() || p.sync.failed().is_some() {
                 return Ok(());
             }
             let left = deadline.saturating_duration_since(Instant::now());

@@ -392,6 +392,9 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
             let wait = match (hold, deadline) {
                 (Some(hold), _) => hold.min(first_wait),
                 (None, Some(d)) => d.saturating_duration_since(Instant::now()),
+                // Held from an earlier turn (a batch that was waiting for the sync, or what a full batch
+                // left): take what is queued and commit.
+                (None, None) if self.core.unsettled() > 0 => Duration::ZERO,
                 (None, None) => first_wait,
             };
             let next = if wait.is_zero() {

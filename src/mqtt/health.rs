@@ -283,6 +283,11 @@ impl Health {
         }
     }
 
+    /// True while events wait for a sync.
+    pub(crate) fn holding(&self) -> bool {
+        !self.held.is_empty()
+    }
+
     /// Drops the held events: their sync will not come (the run ended without it).
     pub(crate) fn forget_held(&mut self) {
         self.held.clear();
