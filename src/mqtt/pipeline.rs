@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::mqtt::gate::Ack;
 use crate::mqtt::ready_acks::ReadyAcks;
-use crate::store::group_sync::GroupSync;
+use crate::store::group_sync::{smoothed, GroupSync};
 
 /// When a commit loop commits the next batch while the previous one syncs
 /// ([`ConsumerCore::overlap_syncs`](crate::ConsumerCore::overlap_syncs)). In every mode a PUBACK leaves
@@ -105,22 +105,12 @@ impl Pipeline {
 
     /// Notes that a `COMMIT` that synced itself took `took`.
     pub(crate) fn full_commit_took(&mut self, took: Duration) {
-        let took = took.min(SAMPLE_CAP);
-        self.full_commit = if self.full_commit.is_zero() {
-            took
-        } else {
-            (self.full_commit * 15 + took) / 16
-        };
+        self.full_commit = smoothed(self.full_commit, took.min(SAMPLE_CAP), 16);
     }
 
     /// Notes that committing `n` deliveries took `took`.
     pub(crate) fn commit_took(&mut self, n: usize, took: Duration) {
-        let each = took / n.max(1) as u32;
-        self.per_delivery = if self.per_delivery.is_zero() {
-            each
-        } else {
-            (self.per_delivery * 7 + each) / 8
-        };
+        self.per_delivery = smoothed(self.per_delivery, took / n.max(1) as u32, 8);
     }
 
     /// What committing `n` deliveries should take, with a margin for the transaction's own work.

@@ -219,11 +219,7 @@ fn run(conn: &Connection, shared: &Shared, on_synced: &dyn Fn()) {
         let result = sync(conn);
         let took = began.elapsed();
         s = shared.lock();
-        s.sync_time = if s.sync_time.is_zero() {
-            took
-        } else {
-            (s.sync_time * 7 + took) / 8
-        };
+        s.sync_time = smoothed(s.sync_time, took, 8);
         match result {
             Ok(()) => s.synced = s.synced.max(target),
             Err(e) => {
@@ -247,6 +243,16 @@ fn run(conn: &Connection, shared: &Shared, on_synced: &dyn Fn()) {
         drop(s);
         on_synced();
         s = shared.lock();
+    }
+}
+
+/// A duration smoothed over about the last `weight` samples: `sample` moves `old` by a `weight`th of the
+/// difference; the first sample (`old` zero) is taken as it is.
+pub(crate) fn smoothed(old: Duration, sample: Duration, weight: u32) -> Duration {
+    if old.is_zero() {
+        sample
+    } else {
+        (old * (weight - 1) + sample) / weight
     }
 }
 
