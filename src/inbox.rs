@@ -140,7 +140,15 @@ impl Inbox {
     /// Its commit and rollback hooks are reserved: they guard every handler's transaction, and the inbox
     /// installs them again before each handler runs, so a hook set here never fires (see the crate guide,
     /// "Handlers and state"). Observe commits through the `Ok` of the inbox's calls instead.
+    ///
+    /// It is at the configured `synchronous` level whenever it is handed out: should putting it back after
+    /// a consumer's relaxed commits have failed earlier, this tries again (and logs a failure).
     pub fn connection(&self) -> &Connection {
+        if self.conn.is_autocommit() {
+            if let Err(e) = self.conn.prepare_level() {
+                log::warn!("cannot restore the inbox's synchronous level: {e}");
+            }
+        }
         &self.conn
     }
 

@@ -1,13 +1,15 @@
 //! Commits overlapping their syncs ([`SyncOverlap`]), on a real file through a VFS that makes every sync 3 ms
 //! slower (an SD card) and counts the WAL syncs made by the inbox's sync thread. That the PUBACKs wait for a
 //! sync covering their commit is checked by cutting the power in `tests/power_loss.rs`, and after a failed
-//! sync in `tests/wal_sync_failure.rs`; here: that the overlap is used where it should be and not elsewhere,
-//! and that acks and events still leave complete and in arrival order, at a stop and when the feed is dropped.
+//! sync in `tests/wal_sync_failure.rs`; here: that the overlap is used where it should be and not elsewhere
+//! (also when the sync time changes mid-stream), that acks and events still leave complete and in arrival
+//! order, at a stop and when the feed is dropped, and that acks waiting for a sync when their connection ends
+//! never leave on the next one.
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use edge_inbox::rusqlite::ffi;
 use edge_inbox::{
@@ -51,12 +53,34 @@ impl wrap_vfs::Observer for SlowCard {
     }
 
     fn sync(&self, tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
-        let rc = real();
-        std::thread::sleep(Duration::from_millis(3));
-        if std::thread::current().name() == Some(SYNC_THREAD) {
-            SYNC_THREAD_SYNCS.lock().unwrap()[tag].1 += 1;
+        let (delay, db_is_switching) = {
+            let mut syncs = SYNC_THREAD_SYNCS.lock().unwrap();
+            if std::thread::current().name() == Some(SYNC_THREAD) {
+                syncs[tag].1 += 1;
+            }
+            (delay_for(&syncs[tag].0), syncs[tag].0 == "switching.db")
+        };
+        // The fast phases of `switching.db` stand for a fast disk whatever the machine's load: no sync at
+        // all (that test checks which thread syncs, not durability).
+        if db_is_switching && delay.is_zero() {
+            return ffi::SQLITE_OK;
         }
+        let rc = real();
+        std::thread::sleep(delay);
         rc
+    }
+}
+
+/// The sync delay of `switching.db`, in microseconds (changed while its consumer runs).
+static SWITCHING_DELAY_US: AtomicU64 = AtomicU64::new(0);
+
+/// Every file's syncs take 3 ms more, but for two: `lost.db` 50 ms, so that its acks are still waiting when
+/// the connection ends, and `switching.db` what [`SWITCHING_DELAY_US`] says.
+fn delay_for(db: &str) -> Duration {
+    match db {
+        "lost.db" => Duration::from_millis(50),
+        "switching.db" => Duration::from_micros(SWITCHING_DELAY_US.load(Ordering::Relaxed)),
+        _ => Duration::from_millis(3),
     }
 }
 
@@ -232,4 +256,121 @@ fn events_of_deliveries_without_acks_still_leave_once_synced() {
         })
         .count();
     assert_eq!(processed, 20, "an event for every delivery");
+}
+
+/// Feeds deliveries `from..to` one at a time, each after the PUBACK of the one before (so that every commit
+/// holds one delivery and, overlapping, every sync covers one commit).
+fn feed_one_by_one(feed: &mut Feed, sent: &SentAcks, from: u16, to: u16) {
+    for packet_id in from..to {
+        publish(feed, &format!("sw-{packet_id:04}"), packet_id);
+        sent.wait_for(usize::from(packet_id));
+    }
+}
+
+#[test]
+fn the_automatic_mode_follows_the_sync_time_both_ways_mid_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("switching.db"), slow_card()).unwrap();
+    let core = ConsumerCore::new(inbox, SCOPE).batch(1, Duration::ZERO);
+    let sent = SentAcks::default();
+    let (mut feed, commits) = core.spawn(bump, sent.clone(), 1000).unwrap();
+    feed.connected(true).unwrap();
+    // A fast disk: every commit syncs itself.
+    feed_one_by_one(&mut feed, &sent, 1, 41);
+    let fast = sync_thread_syncs("switching.db");
+    // The card slows down: the commits' own syncs take 3 ms, and the loop hands syncs to the sync thread.
+    SWITCHING_DELAY_US.store(3000, Ordering::Relaxed);
+    feed_one_by_one(&mut feed, &sent, 41, 101);
+    let slow = sync_thread_syncs("switching.db");
+    // Fast again: once the sync thread's syncs are measured fast, commits sync themselves again, and the
+    // last 40 use no sync thread at all.
+    SWITCHING_DELAY_US.store(0, Ordering::Relaxed);
+    feed_one_by_one(&mut feed, &sent, 101, 201);
+    let fast_again = sync_thread_syncs("switching.db");
+    feed_one_by_one(&mut feed, &sent, 201, 241);
+    let last = sync_thread_syncs("switching.db");
+    commits.stop();
+    let (mut core, result) = commits.join();
+    let summary = result.unwrap();
+    assert_eq!(fast, 0, "the sync thread synced on a fast disk");
+    assert!(
+        slow - fast >= 30,
+        "{} of 60 slow commits used the sync thread",
+        slow - fast
+    );
+    assert!(
+        fast_again > slow,
+        "the overlap went on until the sync thread's syncs were measured fast"
+    );
+    assert_eq!(
+        last, fast_again,
+        "the overlap stayed on once the disk was fast"
+    );
+    assert_eq!(
+        sent.all(),
+        (1..241).collect::<Vec<u16>>(),
+        "PUBACKs in arrival order"
+    );
+    assert_eq!(summary.processed, 240, "{summary:?}");
+    assert_eq!(summary.dropped_stale, 0, "{summary:?}");
+    let level: i64 = core
+        .inbox()
+        .connection()
+        .query_row("PRAGMA synchronous", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(level, 2);
+}
+
+/// Identities committed in the file at `path`, as another connection sees them (commits show before their
+/// sync).
+fn identities_in(path: &std::path::Path) -> i64 {
+    let c = edge_inbox::rusqlite::Connection::open(path).unwrap();
+    c.query_row("SELECT count(*) FROM identities", [], |r| r.get(0))
+        .unwrap()
+}
+
+#[test]
+fn acks_waiting_for_a_sync_when_their_connection_ends_are_never_sent_on_the_next() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("lost.db");
+    let inbox = Inbox::open(&path, slow_card()).unwrap();
+    // Syncs of this file take 50 ms: the first connection's acks are waiting when it ends.
+    let core = ConsumerCore::new(inbox, SCOPE)
+        .batch(8, Duration::from_millis(100))
+        .overlap_syncs(SyncOverlap::On);
+    let sent = SentAcks::default();
+    let (mut feed, commits) = core.spawn(bump, sent.clone(), 1000).unwrap();
+    feed.connected(true).unwrap();
+    for k in 0..8u16 {
+        publish(&mut feed, &format!("lost-{k}"), k + 1);
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while identities_in(&path) < 8 {
+        assert!(Instant::now() < deadline, "the first batch never committed");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    feed.because("network down").lost(|| {}).unwrap();
+    // The broker redelivers the eight under new packet ids, and sends eight more.
+    feed.connected(true).unwrap();
+    for k in 0..16u16 {
+        publish(&mut feed, &format!("lost-{k}"), 101 + k);
+    }
+    sent.wait_for(16);
+    commits.stop();
+    let (mut core, result) = commits.join();
+    let summary = result.unwrap();
+    assert_eq!(
+        sent.all(),
+        (101..117).collect::<Vec<u16>>(),
+        "only the second connection's PUBACKs, in order"
+    );
+    assert_eq!(summary.dropped_stale, 8, "{summary:?}");
+    assert_eq!(summary.duplicates, 8, "{summary:?}");
+    assert_eq!(summary.processed, 16, "{summary:?}");
+    let inbox = core.inbox();
+    for k in 0..16 {
+        let id = format!("lost-{k}");
+        let n: Option<i64> = inbox.get(SCOPE, &id).unwrap();
+        assert_eq!(n, Some(1), "{id} applied once");
+    }
 }

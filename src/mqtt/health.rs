@@ -172,7 +172,8 @@ pub(crate) struct Health {
     batch: Vec<(u64, HealthEvent)>,
     /// Settled batches' events waiting for the sync that makes their commit durable, by the number of the
     /// sync request that followed the commit (see [`Health::hold`]).
-    held: VecDeque<(u64, Vec<(u64, HealthEvent)>)>,
+    /// One entry per event, so that holding a batch allocates nothing once the queue has grown.
+    held: VecDeque<(u64, HealthEvent)>,
     last_lost_cause: Option<String>,
 }
 
@@ -260,26 +261,22 @@ impl Health {
     /// Like [`Health::flush`], for a batch committed without its own sync: its events wait until sync
     /// request `request` is done ([`Health::release`]).
     pub(crate) fn hold(&mut self, request: u64) {
-        if self.batch.is_empty() {
-            return;
-        }
-        let mut batch = std::mem::take(&mut self.batch);
-        batch.sort_by_key(|(ticket, _)| *ticket);
-        self.held.push_back((request, batch));
+        self.batch.sort_by_key(|(ticket, _)| *ticket);
+        self.held
+            .extend(self.batch.drain(..).map(|(_, event)| (request, event)));
     }
 
     /// Sends the held events of every batch that sync request `synced` covers, in order.
     pub(crate) fn release(&mut self, synced: u64) {
-        while let Some((request, _)) = self.held.front() {
-            if *request > synced {
-                break;
-            }
-            let Some((_, batch)) = self.held.pop_front() else {
+        while self
+            .held
+            .front()
+            .is_some_and(|(request, _)| *request <= synced)
+        {
+            let Some((_, event)) = self.held.pop_front() else {
                 break;
             };
-            for (_, event) in batch {
-                self.send(event);
-            }
+            self.send(event);
         }
     }
 
