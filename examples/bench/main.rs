@@ -9,9 +9,9 @@
 //! (prints where each steady-state allocation of a batch comes from; build with
 //! `CARGO_PROFILE_RELEASE_DEBUG=line-tables-only` for file names), `e2e` (publish to PUBACK through a
 //! mosquitto it starts on a free 127.0.0.1 port: the MQTT `Consumer` with batches of 1 and 256 against a
-//! bare consumer that acks on receipt; `--n` messages per row; `--e2e-batches 256` for one size), `latency` (publish-to-PUBACK latency of the
-//! default `Consumer` and the bare consumer at 10%, 50% and 90% of the saturation rate, beside the disk's
-//! fsync time; `--n` messages per run). `--instructions KIND` does `--n`
+//! bare consumer that acks on receipt; `--n` messages per row; `--e2e-batches 256` for one size),
+//! `latency` (publish-to-PUBACK latency of the default `Consumer` and the bare consumer at 10%, 50% and 90%
+//! of the saturation rate, beside the disk's fsync time; `--n` messages per run). `--instructions KIND` does `--n`
 //! deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is `raw`,
 //! `classic`, `process`, `process-noop`, `raw256` or `batch256`.
 //!
@@ -168,9 +168,10 @@ struct Args {
         long,
         value_name = "N,N",
         value_delimiter = ',',
-        default_value = "1,256"
+        default_value = "1,256",
+        value_parser = clap::value_parser!(u16).range(1..)
     )]
-    e2e_batches: Vec<usize>,
+    e2e_batches: Vec<u16>,
     /// e2e and latency: the `Consumer`'s `overlap_syncs`: `auto` (the default), `on` or `off`.
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "on", "off"])]
     overlap_syncs: String,
@@ -250,7 +251,16 @@ fn main() -> anyhow::Result<()> {
     }
     if mode == Mode::E2e {
         #[cfg(feature = "mqtt")]
-        e2e::run(dir.path(), n, rounds, &args.e2e_batches)?;
+        e2e::run(
+            dir.path(),
+            n,
+            rounds,
+            &args
+                .e2e_batches
+                .iter()
+                .map(|&b| usize::from(b))
+                .collect::<Vec<_>>(),
+        )?;
         #[cfg(not(feature = "mqtt"))]
         println!("--mode e2e needs the `mqtt` feature");
     }
