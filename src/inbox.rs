@@ -141,8 +141,8 @@ impl Inbox {
     /// installs them again before each handler runs, so a hook set here never fires (see the crate guide,
     /// "Handlers and state"). Observe commits through the `Ok` of the inbox's calls instead.
     ///
-    /// It is at the configured `synchronous` level whenever it is handed out: should putting it back after
-    /// a consumer's relaxed commits have failed earlier, this tries again (and logs a failure).
+    /// It is handed out at the configured `synchronous` level: if a consumer could not put the level back
+    /// after its commits that left their syncs to the sync thread, this tries again (and logs a failure).
     pub fn connection(&self) -> &Connection {
         if self.conn.is_autocommit() {
             if let Err(e) = self.conn.prepare_level() {

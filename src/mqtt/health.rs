@@ -171,8 +171,8 @@ pub(crate) struct Health {
     /// A batch's delivery events until its settling ends, with their tickets.
     batch: Vec<(u64, HealthEvent)>,
     /// Settled batches' events waiting for the sync that makes their commit durable, by the number of the
-    /// sync request that followed the commit (see [`Health::hold`]).
-    /// One entry per event, so that holding a batch allocates nothing once the queue has grown.
+    /// sync request that followed the commit (see [`Health::hold`]). One entry per event, so that holding
+    /// a batch allocates nothing once the queue has grown.
     held: VecDeque<(u64, HealthEvent)>,
     last_lost_cause: Option<String>,
 }
