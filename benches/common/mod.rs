@@ -300,6 +300,25 @@ impl Peer {
         }
     }
 
+    /// Commits `ids` as already processed (the `processed` and `processed_naive` tables and the effect) in one
+    /// transaction: a file with a history, before a measurement.
+    pub fn fill(&mut self, ids: &[String]) -> rusqlite::Result<()> {
+        self.conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
+        let r = (|| {
+            for id in ids {
+                self.conn
+                    .prepare_cached("INSERT INTO processed (message_id) VALUES (?1)")?
+                    .execute([id])?;
+                self.conn
+                    .prepare_cached("INSERT INTO processed_naive (message_id) VALUES (?1)")?
+                    .execute([id])?;
+                self.effect()?;
+            }
+            Ok(true)
+        })();
+        self.finish(r).map(drop)
+    }
+
     /// Committed rows of the naive processed table beyond one per id: each is a repeated effect.
     pub fn naive_repeats(&self) -> rusqlite::Result<i64> {
         self.conn.query_row(

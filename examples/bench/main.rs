@@ -17,7 +17,8 @@
 //!
 //! Every row runs on a fresh database file in `--db-dir` with `synchronous=FULL`; all rows run once per
 //! round, rounds are interleaved, and the table shows the median rate and the median of the per-round ratios,
-//! so a noisy neighbour shifts compared figures together.
+//! so a noisy neighbour shifts compared figures together. `--prefill N` gives every table row's file N earlier
+//! deliveries first: the bytes a delivery writes grow with the identities the file keeps.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -137,6 +138,10 @@ struct Args {
     /// What to run.
     #[arg(long, value_enum, default_value_t = Mode::All)]
     mode: Mode,
+    /// Table: commit this many earlier deliveries (other ids, transactions of 4096) to every row's file before
+    /// its warm-up, as on a gateway that has kept months of identities.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    prefill: u64,
     /// Do `--n` deliveries of one kind with `synchronous=OFF`, for callgrind (overrides `--mode`).
     #[arg(long, value_name = "KIND", value_parser = ["raw", "classic", "process", "process-noop", "raw256", "batch256"])]
     instructions: Option<String>,
@@ -237,7 +242,7 @@ fn main() -> anyhow::Result<()> {
     }
     let mode = args.mode;
     if matches!(mode, Mode::All | Mode::Table) {
-        table(dir.path(), n, rounds)?;
+        table(dir.path(), n, rounds, args.prefill as usize)?;
         wal_frames(dir.path(), n)?;
     }
     if matches!(mode, Mode::All | Mode::Allocs) {
