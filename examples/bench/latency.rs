@@ -245,8 +245,9 @@ fn run_one(
     tag: &str,
     n: usize,
     rate: f64,
+    prefill: usize,
 ) -> anyhow::Result<(Latencies, f64, Written)> {
-    let written = Written::now();
+    let mut written = Written::now();
     let relay = Relay::start(broker.port)?;
     let topic = format!("bench/latency/{tag}");
     let client_id = format!("bench-latency-{tag}");
@@ -258,8 +259,12 @@ fn run_one(
                 s.spawn(move || bare_consume(port, &id, &topic, n, ready_tx).map(|_| ()))
             }
             Kind::Inbox => {
-                let inbox =
+                let mut inbox =
                     Inbox::open(dir.join(format!("latency-{tag}.db")), super::inbox_config())?;
+                if prefill > 0 {
+                    fill(&mut inbox, tag, prefill)?;
+                    written = Written::now();
+                }
                 let mqtt = MqttConfig::new("127.0.0.1", relay.port, &client_id)
                     .subscribe(&topic)
                     .inflight(INFLIGHT);
@@ -358,8 +363,20 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// Runs every round: saturation of both consumers, then each load for both, then the fsync probe.
-pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
+/// Commits `count` earlier deliveries to `inbox` (other ids, transactions of 4096, the run's handler) and
+/// checkpoints them: the run then measures a file with a history, its bytes counted from there.
+fn fill(inbox: &mut Inbox, tag: &str, count: usize) -> anyhow::Result<()> {
+    let mut handler = super::kv_handler();
+    let mut outcomes = Vec::new();
+    for ids in super::table::prefill_chunks(&format!("p-{tag}"), count) {
+        super::table::fill_inbox(inbox, &ids, &mut handler, &mut outcomes)?;
+    }
+    super::table::checkpoint_truncate(inbox.connection())
+}
+
+/// Runs every round: saturation of both consumers, then each load for both, then the fsync probe. With
+/// `prefill`, each inbox file first gets that many earlier deliveries.
+pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Result<()> {
     let Some(exe) = mosquitto_exe() else {
         println!(
             "\n--mode latency skipped: mosquitto not found on PATH nor at /usr/sbin/mosquitto"
@@ -382,8 +399,15 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
     let mut bytes = vec![(Written::default(), 0u64); 1 + LOADS.len()];
     for round in 0..rounds {
         for (k, &kind) in kinds.iter().enumerate() {
-            let (l, rate, w) =
-                run_one(dir, &broker, kind, &format!("{kind:?}-sat-{round}"), n, 0.0)?;
+            let (l, rate, w) = run_one(
+                dir,
+                &broker,
+                kind,
+                &format!("{kind:?}-sat-{round}"),
+                n,
+                0.0,
+                prefill,
+            )?;
             lat[k][0].extend(l.total);
             to_consumer[k][0].extend(l.to_consumer);
             sat[k].push(rate);
@@ -398,7 +422,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
             offered[j].push(rate);
             for (k, &kind) in kinds.iter().enumerate() {
                 let tag = format!("{kind:?}-{}-{round}", (load * 100.0) as u32);
-                let (l, _, w) = run_one(dir, &broker, kind, &tag, n, rate)?;
+                let (l, _, w) = run_one(dir, &broker, kind, &tag, n, rate, prefill)?;
                 lat[k][1 + j].extend(l.total);
                 to_consumer[k][1 + j].extend(l.to_consumer);
                 if kind == Kind::Inbox {
@@ -411,7 +435,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize) -> anyhow::Result<()> {
     }
     let (f50, f99) = (pct(&mut disk, 0.5), pct(&mut disk, 0.99));
     println!(
-        "\n## Publish-to-PUBACK latency (n = {n} per run, {rounds} round(s), pooled; sync +{} ms)\n",
+        "\n## Publish-to-PUBACK latency (n = {n} per run, {rounds} round(s), pooled; sync +{} ms; {prefill} earlier deliveries in each inbox file)\n",
         field_vfs::delay().as_millis()
     );
     println!(

@@ -138,8 +138,8 @@ struct Args {
     /// What to run.
     #[arg(long, value_enum, default_value_t = Mode::All)]
     mode: Mode,
-    /// Table: commit this many earlier deliveries (other ids, transactions of 4096) to every row's file before
-    /// its warm-up, as on a gateway that has kept months of identities.
+    /// Table and latency: commit this many earlier deliveries (other ids, transactions of 4096) to every
+    /// inbox's file first (in the table every row's), as on a gateway that has kept months of identities.
     #[arg(long, value_name = "N", default_value_t = 0)]
     prefill: u64,
     /// Do `--n` deliveries of one kind with `synchronous=OFF`, for callgrind (overrides `--mode`).
@@ -271,7 +271,7 @@ fn main() -> anyhow::Result<()> {
     }
     if mode == Mode::Latency {
         #[cfg(feature = "mqtt")]
-        latency::run(dir.path(), n, rounds)?;
+        latency::run(dir.path(), n, rounds, args.prefill as usize)?;
         #[cfg(not(feature = "mqtt"))]
         println!("--mode latency needs the `mqtt` feature");
     }

@@ -285,25 +285,16 @@ impl Contender {
 /// inbox rows through `process_batch_into` with their handler): a file with a history, whose identity index
 /// no longer fits in a few pages.
 fn fill(store: &mut Store, round: usize, count: usize) -> anyhow::Result<()> {
-    const CHUNK: usize = 4096;
-    let now = now();
-    for start in (0..count).step_by(CHUNK) {
-        let ids: Vec<String> = (start..(start + CHUNK).min(count))
-            .map(|i| format!("p{round}-{i:08}"))
-            .collect();
+    for ids in prefill_chunks(&format!("p{round}"), count) {
         match store {
             Store::Fsync(_) => return Ok(()),
-            Store::Raw(raw) => raw.insert_tx(&ids, now)?,
+            Store::Raw(raw) => raw.insert_tx(&ids, now())?,
             Store::Peer(peer) => peer.fill(&ids)?,
             Store::Inbox {
                 inbox,
                 handler,
                 outcomes,
-            } => {
-                let ds = deliveries(&ids, PAYLOAD);
-                let done = process_batches(inbox, &ds, CHUNK, handler, outcomes)?;
-                anyhow::ensure!(done == ids.len(), "prefill: unexpected outcomes");
-            }
+            } => fill_inbox(inbox, &ids, handler, outcomes)?,
         }
     }
     // The history's WAL is copied back now, not by a checkpoint that would run during a timed slice.
@@ -313,14 +304,43 @@ fn fill(store: &mut Store, round: usize, count: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `count` ids `{prefix}-NNNNNNNN` in chunks of 4096, one chunk per transaction of a prefill.
+pub(crate) fn prefill_chunks(prefix: &str, count: usize) -> impl Iterator<Item = Vec<String>> + '_ {
+    (0..count).step_by(4096).map(move |start| {
+        (start..(start + 4096).min(count))
+            .map(|i| format!("{prefix}-{i:08}"))
+            .collect()
+    })
+}
+
+/// Commits `ids` (all new) to `inbox` through `process_batch_into` in one transaction.
+pub(crate) fn fill_inbox<H>(
+    inbox: &mut Inbox,
+    ids: &[String],
+    handler: &mut H,
+    outcomes: &mut Vec<Outcome>,
+) -> anyhow::Result<()>
+where
+    H: FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()>,
+{
+    let ds = deliveries(ids, PAYLOAD);
+    let done = process_batches(inbox, &ds, ds.len(), handler, outcomes)?;
+    anyhow::ensure!(done == ids.len(), "prefill: unexpected outcomes");
+    Ok(())
+}
+
 /// Copies the whole WAL back into the database file and empties it (a no-op for the fsync row).
 fn checkpoint_all(store: &Store) -> anyhow::Result<()> {
-    let conn = match store {
-        Store::Fsync(_) => return Ok(()),
-        Store::Raw(raw) => raw.conn(),
-        Store::Peer(peer) => peer.conn(),
-        Store::Inbox { inbox, .. } => inbox.connection(),
-    };
+    match store {
+        Store::Fsync(_) => Ok(()),
+        Store::Raw(raw) => checkpoint_truncate(raw.conn()),
+        Store::Peer(peer) => checkpoint_truncate(peer.conn()),
+        Store::Inbox { inbox, .. } => checkpoint_truncate(inbox.connection()),
+    }
+}
+
+/// `PRAGMA wal_checkpoint(TRUNCATE)` until it is not busy (another connection's checkpoint), for up to 60 s.
+pub(crate) fn checkpoint_truncate(conn: &edge_inbox::rusqlite::Connection) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
     while conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
         r.get::<_, i64>(0)
