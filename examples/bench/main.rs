@@ -17,8 +17,9 @@
 //!
 //! Every row runs on a fresh database file in `--db-dir` with `synchronous=FULL`; all rows run once per
 //! round, rounds are interleaved, and the table shows the median rate and the median of the per-round ratios,
-//! so a noisy neighbour shifts compared figures together. `--prefill N` gives every table row's file N earlier
-//! deliveries first: the bytes a delivery writes grow with the identities the file keeps.
+//! so a noisy neighbour shifts compared figures together. `--prefill N` gives every table row's file (and each
+//! latency run's inbox file) N earlier deliveries first: what a delivery writes grows with the identities
+//! the file keeps.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
