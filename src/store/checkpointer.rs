@@ -4,16 +4,34 @@
 //! delivery waiting behind that commit pays them too.
 //!
 //! The committing connection's WAL hook ([`Wear`](crate::store::wear::Wear)) only asks; this thread runs the
-//! checkpoint on a connection of its own, which never writes. A PASSIVE checkpoint takes no lock a writer
-//! needs, so commits go on meanwhile. But the WAL only starts over at a write that begins once every frame
-//! is copied, and beside a writer committing every few milliseconds a commit nearly always lands during the
-//! copy. So when a copy ends with commits added meanwhile, the commit that adds an eighth of a threshold
-//! more (or, failing that, leaves the WAL twice the threshold long) waits, after its own commit and
-//! holding no lock, while the thread runs a RESTART: the copy of those few frames and two syncs, waiting
-//! [`RESTART_WAIT`] at most for readers. A writer that never pauses would otherwise take the write lock
-//! back before the RESTART could. That wait, once per threshold of WAL, is what is left in a commit of the
-//! checkpoint's cost: two syncs, against two syncs and the copy of a whole threshold's pages inside the
-//! commit.
+//! checkpoint on connections of its own, which never write a page. Each request is served in rounds, while
+//! commits go on:
+//!
+//! 1. a second connection opens a read transaction (the *pin*): no connection can start the WAL over while
+//!    it lasts, and the copy stops at its snapshot;
+//! 2. the WAL is synced (as SQLite's own checkpoint begins), then a PASSIVE checkpoint at `synchronous=OFF`
+//!    copies the frames into the database file without syncing it;
+//! 3. those pages are written out to the device in paced steps ([`WriteBack`]): on a file with a large index
+//!    they are thousands of scattered pages, and handed over at once by one sync they stalled every commit's
+//!    sync of the WAL for tens of milliseconds;
+//! 4. the database file is synced, and only then the pin let go.
+//!
+//! Until the sync of step 4, every page copied is still in the WAL, which cannot start over: a power cut
+//! then loses nothing, as recovery reads those pages from the WAL. A round copies what was committed until
+//! it began; the next covers what came during it, until what is left is small. The WAL only starts over at
+//! a write that begins once every frame is copied, and beside a writer committing every few milliseconds a
+//! commit nearly always lands during a round. So the commit that adds a little more after the rounds (or
+//! that leaves the WAL [`PACED_CAP`] thresholds long while they go on) waits, after its own commit and
+//! holding no lock, while the thread *catches up*: the pin connection takes the write lock, the few frames
+//! left are copied, and the database file is synced (the WAL too at `synchronous=NORMAL`; at FULL every
+//! commit synced it). The next write then starts the WAL over. That wait, once per threshold of WAL, is
+//! what is left in a commit of the checkpoint's cost: one sync, against two syncs and the copy of a whole
+//! threshold's pages inside the commit.
+//!
+//! A failed sync of the database file leaves pages that only the WAL holds on the disk while SQLite counts
+//! them as copied: the thread then keeps its pin until it stops, so the WAL never starts over, checkpoints no
+//! more, and the inbox closes without SQLite's final checkpoint (`Db`'s drop), leaving the next open to
+//! replay the WAL.
 //!
 //! The bytes it copied into the database file are handed to the committing connection's counters, which
 //! save them with their own ([`Wear::stage`](crate::store::wear::Wear::stage)).
@@ -28,13 +46,22 @@ use std::time::{Duration, Instant};
 
 use rusqlite::{ffi, Connection};
 
-use crate::store::config::Config;
+use crate::store::config::{Config, Synchronous};
 use crate::store::error::Result;
 use crate::store::schema::install_busy_handler;
+use crate::store::wal_sync::{sync_database, sync_wal};
+use crate::store::writeback::WriteBack;
 
-/// How long a RESTART checkpoint (the thread's, or a pruner's) waits for readers to leave the WAL, holding
-/// the write lock.
+/// How long a RESTART checkpoint (a pruner's), or the thread's catch-up, waits for the write lock or for
+/// readers, holding what it has.
 pub(crate) const RESTART_WAIT: Duration = Duration::from_millis(10);
+
+/// While the thread's rounds go on, the commit that leaves the WAL this many thresholds long waits for its
+/// catch-up: the rounds have not kept up with the commits.
+const PACED_CAP: i64 = 3;
+
+/// Rounds for one request, at most; the last ones are short, as each copies what came during the one before.
+const MAX_ROUNDS: u32 = 8;
 
 /// What the committing connection and the checkpoint thread share.
 #[derive(Default)]
@@ -42,13 +69,15 @@ pub(crate) struct Shared {
     wake: Mutex<Wake>,
     /// The thread waits on it for a request.
     cv: Condvar,
-    /// A commit waits on it for the thread's RESTART.
+    /// A commit waits on it for the thread's catch-up.
     restarted: Condvar,
     /// A request is waiting (the hook's fast path: no lock while one is).
     requested: AtomicBool,
+    /// A commit waits for the catch-up: the write-back under way goes on without its pauses.
+    hurry: AtomicBool,
     /// Frames of the current WAL that the thread's last checkpoint copied back (0 once the WAL started over).
     backfilled: AtomicI64,
-    /// WAL length (frames) at which a commit waits for a RESTART; 0 until the first commit sets it.
+    /// WAL length (frames) at which a commit waits for the catch-up; 0 until the first commit sets it.
     restart_at: AtomicI64,
     /// Frames in the WAL after the latest commit.
     frames: AtomicI64,
@@ -61,6 +90,8 @@ pub(crate) struct Shared {
     /// the later frames into the database file before they are written out again would leave the file torn
     /// between the two at a power cut (see `Db::note_wal_sync_failed`).
     held: AtomicBool,
+    /// A sync of the database file failed after pages were copied into it: see the module's doc.
+    database_unsynced: AtomicBool,
     /// The I/O error (SQLite code) a checkpoint of the thread met, for the committing connection: 0 for none.
     io_error: AtomicI32,
 }
@@ -72,30 +103,36 @@ struct Wake {
     stop: bool,
 }
 
-/// How long a commit waits for the thread's RESTART (a copy of the frames added since its last checkpoint,
-/// two syncs, and [`RESTART_WAIT`] for readers): a bound for a thread held up by a slow sync. Later commits
-/// do not wait while that request is still unanswered.
+/// How long a commit waits for the thread's catch-up (the frames left after its rounds, a sync or two, and
+/// [`RESTART_WAIT`] for the write lock; the end of a round's write-back first): a bound for a thread held up
+/// by a slow sync. Later commits do not wait while that request is still unanswered.
 const RESTART_HANDSHAKE: Duration = Duration::from_millis(250);
 
 impl Shared {
-    /// The thread is done with a RESTART it was asked for (made, failed or skipped): the waiting commit goes on.
+    /// The thread is done with a catch-up it was asked for (made, failed or skipped): the waiting commit goes on.
     fn answer_restart(&self) {
         let mut w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
         w.restart = false;
+        self.hurry.store(false, Ordering::Relaxed);
         self.restarted.notify_all();
+    }
+
+    /// Whether the committing connection asked for a catch-up that is not yet answered.
+    fn restart_asked(&self) -> bool {
+        self.wake.lock().unwrap_or_else(|p| p.into_inner()).restart
     }
 
     /// From the committing connection's WAL hook, after a commit that left `frames` in the WAL (SQLite
     /// calls the hook once the commit's write lock is released); `restarted` when the WAL started over
     /// since the hook last looked.
     ///
-    /// Asks for a PASSIVE checkpoint when `threshold` frames are not yet copied: no lock unless it asks,
-    /// once until the thread has finished that checkpoint. Once the WAL reaches the RESTART point (an
-    /// eighth of a threshold past the end of a copy that commits outran, twice the threshold at most),
-    /// waits for the thread's RESTART: with this writer waiting here the write lock is free, whereas a
-    /// writer that never pauses would take it back before the RESTART's busy handler looked again. A
-    /// RESTART that fails (a reader it cannot wait out, another writer) is asked for again only after
-    /// `threshold` more frames.
+    /// Asks for the thread's rounds when `threshold` frames are not yet copied: no lock unless it asks,
+    /// once until the thread has finished them. Once the WAL reaches the catch-up point (a little past the
+    /// end of rounds that commits outran, [`PACED_CAP`] thresholds at most), waits for the thread's
+    /// catch-up: with this writer waiting here the write lock is free, whereas a writer that never pauses
+    /// would take it back before the catch-up's busy handler looked again. A catch-up that fails (another
+    /// writer, a reader that kept the WAL from starting over) is asked for again only after `threshold`
+    /// more frames.
     pub(crate) fn after_commit(&self, frames: i64, restarted: bool, threshold: i64) {
         self.frames.store(frames, Ordering::Relaxed);
         let restart_at = self.restart_at.load(Ordering::Relaxed);
@@ -112,13 +149,14 @@ impl Shared {
             }
             w.due = true;
             w.restart = true;
+            self.hurry.store(true, Ordering::Relaxed);
             self.cv.notify_all();
             let deadline = Instant::now() + RESTART_HANDSHAKE;
             while w.restart && !w.stop {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     log::debug!(
-                        "the checkpoint thread did not restart the WAL in {RESTART_HANDSHAKE:?}"
+                        "the checkpoint thread did not catch up with the WAL in {RESTART_HANDSHAKE:?}"
                     );
                     break;
                 }
@@ -153,13 +191,19 @@ impl Shared {
         self.copied.swap(0, Ordering::AcqRel)
     }
 
+    /// Whether a sync of the database file failed after the thread copied pages into it: the WAL must then
+    /// outlive the inbox's connections (no final checkpoint at close), for the next open to replay it.
+    pub(crate) fn database_unsynced(&self) -> bool {
+        self.database_unsynced.load(Ordering::SeqCst)
+    }
+
     /// Bytes copied and not yet taken.
     pub(crate) fn peek_copied(&self) -> u64 {
         self.copied.load(Ordering::Acquire)
     }
 }
 
-/// The thread and its connection; stopped and joined when dropped (before the inbox's own connection
+/// The thread and its connections; stopped and joined when dropped (before the inbox's own connection
 /// closes, so that one stays the last and runs SQLite's final checkpoint).
 pub(crate) struct Checkpointer {
     shared: Arc<Shared>,
@@ -185,7 +229,7 @@ impl Checkpointer {
         self.shared.take_io_error()
     }
 
-    /// Stops the thread and waits until it has ended (its connection closed).
+    /// Stops the thread and waits until it has ended (its connections closed).
     fn join(&mut self) {
         {
             let mut w = self.shared.wake.lock().unwrap_or_else(|p| p.into_inner());
@@ -197,26 +241,47 @@ impl Checkpointer {
         }
     }
 
-    /// Opens the thread's connection to the inbox at `path` (same VFS and `synchronous` level as the inbox's,
-    /// which set how the checkpoint syncs) and starts the thread. `threshold` is the WAL hook's.
+    /// Opens the thread's connections to the inbox at `path` (same VFS as the inbox's, whose syncs the
+    /// checkpoints go through) and starts the thread. `threshold` is the WAL hook's.
     pub(crate) fn start(path: &Path, config: &Config, threshold: i64) -> Result<Checkpointer> {
-        let conn = crate::store::schema::open_for_checkpoints(path, config)?;
-        // Opened with the configured busy timeout; from now on it only checkpoints, and a RESTART holds the
-        // write lock while its busy handler waits for readers.
-        install_busy_handler(&conn, RESTART_WAIT).map_err(crate::store::error::Error::from)?;
-        let page_size = page_size(&conn);
+        let open = || -> Result<Connection> {
+            let conn = crate::store::schema::open_for_checkpoints(path, config)?;
+            // From now on these only checkpoint or pin: a wait for the write lock or for readers is short.
+            install_busy_handler(&conn, RESTART_WAIT).map_err(crate::store::error::Error::from)?;
+            // Never the last to close (the thread stops first), but if one were, no copy without its sync.
+            conn.set_db_config(
+                rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
+                true,
+            )
+            .map_err(crate::store::error::Error::from)?;
+            Ok(conn)
+        };
+        let conn = open()?;
+        // The copies do not sync: the thread syncs the files itself, in the order the module's doc gives.
+        conn.execute_batch("PRAGMA synchronous = OFF")
+            .map_err(crate::store::error::Error::from)?;
+        let pin = open()?;
+        let thread = Thread {
+            page_size: page_size(&conn),
+            conn,
+            pin,
+            write_back: WriteBack::new(path),
+            wal_synced_by_commits: config.synchronous == Synchronous::Full,
+            threshold,
+            copied_before: (0, 0),
+        };
         let shared = Arc::new(Shared::default());
         let s = shared.clone();
-        let thread = std::thread::Builder::new()
+        let handle = std::thread::Builder::new()
             .name("edge-inbox-checkpoint".into())
-            .spawn(move || run(conn, &s, threshold, page_size))
+            .spawn(move || thread.run(&s))
             .map_err(|e| crate::store::error::Error::Open {
                 path: path.to_owned(),
                 source: e,
             })?;
         Ok(Checkpointer {
             shared,
-            thread: Some(thread),
+            thread: Some(handle),
         })
     }
 
@@ -231,87 +296,265 @@ impl Drop for Checkpointer {
     }
 }
 
-fn run(conn: Connection, shared: &Shared, threshold: i64, page_size: u64) {
-    // Frames of the current WAL this thread had copied back, to count what a checkpoint adds where the
-    // kernel does not report the bytes written.
-    let mut copied_before = (0u64, 0i64);
-    loop {
-        let restart = {
-            let mut w = shared.wake.lock().unwrap_or_else(|p| p.into_inner());
-            while !w.due && !w.stop {
-                w = shared.cv.wait(w).unwrap_or_else(|p| p.into_inner());
+/// What one round or catch-up did: SQLite's result code (or a sync's), the frames in the WAL and the frames
+/// copied back.
+#[derive(Clone, Copy)]
+struct Copy {
+    rc: i32,
+    log: i64,
+    done: i64,
+    /// The sync of the database file failed after the copy: see the module's doc.
+    database_unsynced: bool,
+}
+
+impl Copy {
+    fn failed(rc: i32) -> Copy {
+        Copy {
+            rc,
+            log: 0,
+            done: 0,
+            database_unsynced: false,
+        }
+    }
+}
+
+/// The SQLite code of an error, for the thread's reports.
+fn code_of(e: &rusqlite::Error) -> i32 {
+    e.sqlite_error()
+        .map_or(ffi::SQLITE_ERROR, |f| f.extended_code)
+}
+
+fn code_of_store(e: &crate::store::error::Error) -> i32 {
+    e.sqlite_code().unwrap_or(ffi::SQLITE_IOERR)
+}
+
+struct Thread {
+    /// Runs the copies, at `synchronous=OFF`.
+    conn: Connection,
+    /// Holds the read transaction of a round, or the write lock of a catch-up.
+    pin: Connection,
+    write_back: WriteBack,
+    /// `synchronous=FULL`: every commit synced the WAL, so a catch-up (while the writer waits) need not.
+    wal_synced_by_commits: bool,
+    threshold: i64,
+    page_size: u64,
+    /// Frames of the current WAL (by generation) this thread had copied back, to count what a checkpoint
+    /// adds where the kernel does not report the bytes written.
+    copied_before: (u64, i64),
+}
+
+impl Thread {
+    fn run(mut self, shared: &Shared) {
+        loop {
+            let restart = {
+                let mut w = shared.wake.lock().unwrap_or_else(|p| p.into_inner());
+                while !w.due && !w.stop {
+                    w = shared.cv.wait(w).unwrap_or_else(|p| p.into_inner());
+                }
+                if w.stop {
+                    w.restart = false;
+                    shared.restarted.notify_all();
+                    return;
+                }
+                w.due = false;
+                w.restart
+            };
+            if shared.held.load(Ordering::SeqCst) || shared.database_unsynced.load(Ordering::SeqCst)
+            {
+                shared.requested.store(false, Ordering::Release);
+                if restart {
+                    shared.answer_restart();
+                }
+                continue;
             }
-            if w.stop {
-                w.restart = false;
-                shared.restarted.notify_all();
-                return;
-            }
-            w.due = false;
-            w.restart
-        };
-        if shared.held.load(Ordering::SeqCst) {
-            shared.requested.store(false, Ordering::Release);
             if restart {
+                self.catch_up_and_count(shared);
                 shared.answer_restart();
+                continue;
             }
-            continue;
+            let generation = shared.generation.load(Ordering::Acquire);
+            shared
+                .restart_at
+                .fetch_max(self.threshold.saturating_mul(PACED_CAP), Ordering::Relaxed);
+            let mut last = None;
+            for _ in 0..MAX_ROUNDS {
+                let c = self.counted(shared, generation, |t| t.round(&shared.hurry));
+                last = Some(c);
+                let now = shared.frames.load(Ordering::Relaxed);
+                if c.rc != ffi::SQLITE_OK
+                    || shared.generation.load(Ordering::Acquire) != generation
+                    || now - c.done <= self.threshold / 16
+                    || shared.restart_asked()
+                    || shared.held.load(Ordering::SeqCst)
+                {
+                    break;
+                }
+            }
+            let now = shared.frames.load(Ordering::Relaxed);
+            // Commits landed during the rounds, so the WAL will not start over by itself: the commit that
+            // adds a little more waits for the catch-up, which copies only those few frames.
+            if last.is_some_and(|c| c.done > 0 && now > c.done)
+                && shared.generation.load(Ordering::Acquire) == generation
+            {
+                shared
+                    .restart_at
+                    .store(now + (self.threshold / 32).max(1), Ordering::Relaxed);
+            }
+            // Commits from now on may ask again (not during the rounds: they would ask for their tail at once).
+            shared.requested.store(false, Ordering::Release);
         }
+    }
+
+    /// A catch-up, its figures stored as a round's; a catch-up that did not leave everything copied is
+    /// asked for again only `threshold` frames later.
+    fn catch_up_and_count(&mut self, shared: &Shared) {
         let generation = shared.generation.load(Ordering::Acquire);
+        let c = self.counted(shared, generation, Thread::catch_up);
+        if shared.generation.load(Ordering::Acquire) == generation {
+            // Even when all was copied: a reader in the WAL keeps the next write from starting it over.
+            shared.restart_at.store(
+                c.log.max(self.threshold) + self.threshold,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// Runs `f` (a round or a catch-up) and records what it did: its I/O error for the committing
+    /// connection, the frames copied back, the bytes written into the database file.
+    fn counted(
+        &mut self,
+        shared: &Shared,
+        generation: u64,
+        f: impl FnOnce(&mut Thread) -> Copy,
+    ) -> Copy {
         let before = thread_write_bytes();
-        // SAFETY: the thread's own open connection, outside any statement.
-        let db = unsafe { conn.handle() };
-        let mode = if restart {
-            ffi::SQLITE_CHECKPOINT_RESTART
-        } else {
-            ffi::SQLITE_CHECKPOINT_PASSIVE
-        };
-        // SAFETY: the thread's own open handle, and SQLite's name of the main schema.
-        let (rc, log, done) = unsafe { wal_checkpoint(db, c"main".as_ptr(), mode) };
-        if rc & 0xff == ffi::SQLITE_IOERR {
+        let c = f(self);
+        if c.database_unsynced {
+            shared.database_unsynced.store(true, Ordering::SeqCst);
+        }
+        if c.rc & 0xff == ffi::SQLITE_IOERR {
             // Its sync of the WAL may have taken the report of a failed write-back from the inbox.
-            log::error!("background checkpoint failed (SQLite code {rc}); checkpoints held");
+            log::error!(
+                "background checkpoint failed (SQLite code {}); checkpoints held",
+                c.rc
+            );
             shared.held.store(true, Ordering::SeqCst);
-            shared.io_error.store(rc, Ordering::SeqCst);
-        } else if rc != ffi::SQLITE_OK && rc != ffi::SQLITE_BUSY {
-            log::debug!("background checkpoint failed (SQLite code {rc})");
+            shared.io_error.store(c.rc, Ordering::SeqCst);
+        } else if c.rc != ffi::SQLITE_OK && c.rc != ffi::SQLITE_BUSY {
+            log::debug!("background checkpoint failed (SQLite code {})", c.rc);
         }
-        // Only while the WAL is still the one checkpointed (the hook resets both when it starts over).
-        let same_wal = shared.generation.load(Ordering::Acquire) == generation;
-        if restart && rc != ffi::SQLITE_OK && same_wal {
-            shared
-                .restart_at
-                .store(log.max(threshold) + threshold, Ordering::Relaxed);
-        }
-        let now = shared.frames.load(Ordering::Relaxed);
-        if !restart && same_wal && done > 0 && now > done {
-            // Commits landed during the copy, so the WAL will not start over by itself: the commit that adds
-            // an eighth of a threshold more waits for a RESTART, which then copies only those few frames
-            // under the write lock, not a whole threshold's worth.
-            shared
-                .restart_at
-                .store(now + (threshold / 8).max(1), Ordering::Relaxed);
-        }
-        if done > 0 {
-            if same_wal {
-                // Even when all was copied: commits that land meanwhile keep the WAL from starting over, and
-                // what they add must reach the threshold again before the next request.
-                shared.backfilled.store(done, Ordering::Relaxed);
+        if c.done > 0 {
+            // Only while the WAL is still the one checkpointed (the hook resets it when it starts over).
+            if shared.generation.load(Ordering::Acquire) == generation {
+                shared.backfilled.store(c.done, Ordering::Relaxed);
             }
-            let frames_before = if copied_before.0 == generation {
-                copied_before.1
+            let frames_before = if self.copied_before.0 == generation {
+                self.copied_before.1
             } else {
                 0
             };
-            copied_before = (generation, done);
+            self.copied_before = (generation, c.done);
             shared.copied.fetch_add(
-                bytes_copied(before, done - frames_before, page_size),
+                bytes_copied(before, c.done - frames_before, self.page_size),
                 Ordering::AcqRel,
             );
         }
-        // Commits from now on may ask again (not during the copy: they would ask for its tail at once).
-        shared.requested.store(false, Ordering::Release);
-        if restart {
-            shared.answer_restart();
+        c
+    }
+
+    /// One round: pin, sync the WAL, copy without a sync, write back paced, sync the database file, unpin.
+    fn round(&mut self, hurry: &AtomicBool) -> Copy {
+        let pinned = self.pin.execute_batch("BEGIN").and_then(|()| {
+            self.pin
+                .query_row("SELECT count(*) FROM sqlite_master", [], |r| {
+                    r.get::<_, i64>(0)
+                })
+                .map(drop)
+        });
+        if let Err(e) = pinned {
+            let _ = self.pin.execute_batch("ROLLBACK");
+            return Copy::failed(code_of(&e));
+        }
+        // As SQLite's own checkpoint begins: at `synchronous=NORMAL` this is what puts the frames on the
+        // disk before the database file holds their pages.
+        if let Err(e) = sync_wal(&self.conn) {
+            let _ = self.pin.execute_batch("ROLLBACK");
+            return Copy::failed(code_of_store(&e));
+        }
+        let c = self.copy();
+        if c.rc == ffi::SQLITE_OK && c.done > 0 {
+            self.write_back.run(hurry);
+            if let Err(e) = sync_database(&self.conn) {
+                // The pin stays: see the module's doc.
+                return self.database_unsynced(code_of_store(&e));
+            }
+        }
+        let _ = self.pin.execute_batch("ROLLBACK");
+        c
+    }
+
+    /// The catch-up, while the committing writer waits: under the write lock (taken by the pin connection),
+    /// every frame left is copied and the database file synced, so the next write starts the WAL over.
+    fn catch_up(&mut self) -> Copy {
+        if let Err(e) = self.pin.execute_batch("BEGIN IMMEDIATE") {
+            return Copy::failed(code_of(&e));
+        }
+        if !self.wal_synced_by_commits {
+            if let Err(e) = sync_wal(&self.conn) {
+                let _ = self.pin.execute_batch("ROLLBACK");
+                return Copy::failed(code_of_store(&e));
+            }
+        }
+        let mut c = self.copy();
+        if c.rc == ffi::SQLITE_OK && c.done > 0 {
+            if let Err(e) = sync_database(&self.conn) {
+                // A read transaction of the copying connection takes over from the write lock as the pin
+                // (begun while the lock holds commits back, so nothing can start the WAL over in between).
+                let _ = self.conn.execute_batch("BEGIN");
+                let _ = self
+                    .conn
+                    .query_row("SELECT count(*) FROM sqlite_master", [], |r| {
+                        r.get::<_, i64>(0)
+                    });
+                let _ = self.pin.execute_batch("ROLLBACK");
+                return self.database_unsynced(code_of_store(&e));
+            }
+        }
+        let _ = self.pin.execute_batch("ROLLBACK");
+        if c.rc == ffi::SQLITE_OK && c.done < c.log {
+            // A reader with an older snapshot kept frames from the copy.
+            c.rc = ffi::SQLITE_BUSY;
+        }
+        c
+    }
+
+    /// The PASSIVE checkpoint at `synchronous=OFF`: copies up to the oldest snapshot still read (the pin's,
+    /// in a round), syncing nothing.
+    fn copy(&self) -> Copy {
+        // SAFETY: the thread's own open connection, outside any statement, and SQLite's name of the main schema.
+        let (rc, log, done) = unsafe {
+            wal_checkpoint(
+                self.conn.handle(),
+                c"main".as_ptr(),
+                ffi::SQLITE_CHECKPOINT_PASSIVE,
+            )
+        };
+        Copy {
+            rc,
+            log,
+            done,
+            database_unsynced: false,
+        }
+    }
+
+    fn database_unsynced(&self, rc: i32) -> Copy {
+        log::error!(
+            "a sync of the database file failed after a checkpoint copied pages into it (SQLite code {rc}): \
+             the WAL is kept until the inbox closes, and replayed when it is opened again"
+        );
+        Copy {
+            database_unsynced: true,
+            ..Copy::failed(rc)
         }
     }
 }

@@ -131,7 +131,7 @@ impl Config {
     /// and keeps that size on disk.
     ///
     /// Why not SQLite's 1000: the first commit after the WAL starts over also writes and syncs the new WAL
-    /// header, and a commit past twice the threshold waits for the checkpoint's RESTART, so on a card whose
+    /// header, and once per threshold a commit waits for the checkpoint thread to catch up, so on a card whose
     /// sync takes 5 ms the deliveries behind those commits wait two to four syncs. At 1000 pages that was
     /// more than 1% of a consumer's deliveries at 10% load, and set its p99 (31 ms, against 18 ms at 10,000,
     /// two runs each); the checkpoints also wrote 5 times the bytes into the database file (BENCHMARKS.md,
@@ -149,14 +149,16 @@ impl Config {
     /// and syncs twice before it returns: on an SD card or eMMC whose sync takes 5 ms that is 40-60 ms at
     /// 1000 pages, paid by the delivery and by every delivery waiting behind it (the tail of a consumer's
     /// latency). On the thread,
-    /// commits go on while it copies (a PASSIVE checkpoint takes no lock a writer needs). A writer that
-    /// never pauses keeps the WAL from starting over (a commit lands during every copy): soon after such a
-    /// copy, one commit waits, after committing, while the thread runs a RESTART (the few frames added
-    /// since the copy and two syncs, waiting 10 ms at most for readers). The
-    /// thread sleeps until a commit asks, and is stopped when the inbox is dropped. A [`Config::vfs`] serves
-    /// both connections, from two threads. If the second connection cannot be opened, the inbox logs a
-    /// warning and checkpoints in the commits. `false` keeps one connection and no thread, SQLite's own
-    /// behaviour.
+    /// commits go on while it copies (a PASSIVE checkpoint takes no lock a writer needs), and on Linux the
+    /// copied pages reach the device in paced steps before the database file is synced, instead of all at
+    /// once in that sync: on a file with a large index they are thousands of scattered pages, which stalled
+    /// every commit's sync behind them. A writer that never pauses keeps the WAL from starting over (a
+    /// commit lands during every copy): soon after the copies, one commit waits, after committing, while the
+    /// thread catches up (the few frames added since, under the write lock, and one sync of the database
+    /// file; two at [`Synchronous::Normal`]). The thread sleeps until a commit asks, and is stopped when the
+    /// inbox is dropped. A [`Config::vfs`] serves the inbox's connection and the thread's two, from two
+    /// threads. If they cannot be opened, the inbox logs a warning and checkpoints in the commits. `false`
+    /// keeps one connection and no thread, SQLite's own behaviour.
     pub fn checkpoint_thread(mut self, on: bool) -> Self {
         self.checkpoint_thread = on;
         self

@@ -252,6 +252,7 @@ impl Drop for Db {
         // keeping the files of a database deleted meanwhile, are this connection's. An I/O error of its last
         // checkpoints flags this connection once it has ended.
         let _ = self.note_checkpoint_io_errors();
+        let shared = self.checkpointer.as_ref().map(|c| c.shared().clone());
         if let Some(code) = self
             .checkpointer
             .take()
@@ -260,6 +261,15 @@ impl Drop for Db {
             self.note_wal_sync_failed(code);
         }
         self.close_after_failed_sync();
+        // After the thread stopped: no round can fail later.
+        if shared.is_some_and(|s| s.database_unsynced()) {
+            // Pages SQLite counts as copied may be missing from the disk's database file: its final
+            // checkpoint would not copy them again before deleting the WAL. The next open replays the WAL.
+            let _ = self.set_db_config(
+                rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
+                true,
+            );
+        }
         // SAFETY: the statements are dropped exactly once, here, and before the connection they borrow;
         // `conn` came from `Box::into_raw` in `Db::new` and is freed exactly once.
         self.wear.save_on_close(self);

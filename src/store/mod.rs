@@ -18,3 +18,4 @@ pub(crate) mod txn;
 pub(crate) mod wal_sync;
 pub(crate) mod wal_watch;
 pub(crate) mod wear;
+pub(crate) mod writeback;

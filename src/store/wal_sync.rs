@@ -148,3 +148,30 @@ pub(crate) fn rewrite_wal(conn: &Connection) -> Result<u64> {
     unsafe { sync_file(file, flags) }?;
     Ok(size as u64)
 }
+
+/// Syncs the main database file through SQLite's own handle of it (`SQLITE_FCNTL_FILE_POINTER`), with the
+/// flags SQLite's checkpoint would use: after a checkpoint that copied pages into it without a sync
+/// (`store/checkpointer.rs`). Outside any statement of this connection, on its own thread.
+pub(crate) fn sync_database(conn: &Connection) -> Result<()> {
+    let flags = sync_flags(conn)?;
+    let mut file: *mut ffi::sqlite3_file = ptr::null_mut();
+    // SAFETY: this open connection's handle and a schema name; SQLite writes one pointer into `file`.
+    let rc = unsafe {
+        ffi::sqlite3_file_control(
+            conn.handle(),
+            c"main".as_ptr(),
+            ffi::SQLITE_FCNTL_FILE_POINTER,
+            &mut file as *mut *mut ffi::sqlite3_file as *mut c_void,
+        )
+    };
+    // SAFETY: `file` is null or the pager's handle of the database file, open while the connection is.
+    if rc != ffi::SQLITE_OK || file.is_null() || unsafe { (*file).pMethods.is_null() } {
+        return Err(storage_error(if rc == ffi::SQLITE_OK {
+            ffi::SQLITE_IOERR
+        } else {
+            rc
+        }));
+    }
+    // SAFETY: the open database file's handle, used on the connection's thread outside any statement.
+    unsafe { sync_file(file, flags) }
+}
