@@ -27,25 +27,31 @@ pub(crate) fn pages_written_by(db: *mut ffi::sqlite3) -> u32 {
     cur as u32
 }
 
-/// The handle SQLite holds on the WAL of the main database, `None` when this connection has none open (no
-/// transaction has read or written it yet).
-fn wal_file(conn: &Connection) -> Option<*mut ffi::sqlite3_file> {
+/// The handle SQLite holds on a file of the main database (`op`: `SQLITE_FCNTL_JOURNAL_POINTER` for the
+/// WAL, `SQLITE_FCNTL_FILE_POINTER` for the database file), `None` when this connection has none open.
+fn file_handle(conn: &Connection, op: c_int) -> Option<*mut ffi::sqlite3_file> {
     let mut file: *mut ffi::sqlite3_file = ptr::null_mut();
     // SAFETY: this open connection's handle and a schema name; SQLite writes one pointer into `file`.
     let rc = unsafe {
         ffi::sqlite3_file_control(
             conn.handle(),
             c"main".as_ptr(),
-            ffi::SQLITE_FCNTL_JOURNAL_POINTER,
+            op,
             &mut file as *mut *mut ffi::sqlite3_file as *mut c_void,
         )
     };
     // Without a WAL open the pager hands out its rollback journal's handle, closed in WAL mode (no methods).
-    // SAFETY: `file` is null or the pager's journal handle, alive while the connection is open.
+    // SAFETY: `file` is null or one of the pager's handles, alive while the connection is open.
     if rc != ffi::SQLITE_OK || file.is_null() || unsafe { (*file).pMethods.is_null() } {
         return None;
     }
     Some(file)
+}
+
+/// The handle SQLite holds on the WAL of the main database, `None` when this connection has none open (no
+/// transaction has read or written it yet).
+fn wal_file(conn: &Connection) -> Option<*mut ffi::sqlite3_file> {
+    file_handle(conn, ffi::SQLITE_FCNTL_JOURNAL_POINTER)
 }
 
 /// The sync flags SQLite's commit at `synchronous=FULL` would use (`PRAGMA fullfsync`).
@@ -154,24 +160,8 @@ pub(crate) fn rewrite_wal(conn: &Connection) -> Result<u64> {
 /// (`store/checkpointer.rs`). Outside any statement of this connection, on its own thread.
 pub(crate) fn sync_database(conn: &Connection) -> Result<()> {
     let flags = sync_flags(conn)?;
-    let mut file: *mut ffi::sqlite3_file = ptr::null_mut();
-    // SAFETY: this open connection's handle and a schema name; SQLite writes one pointer into `file`.
-    let rc = unsafe {
-        ffi::sqlite3_file_control(
-            conn.handle(),
-            c"main".as_ptr(),
-            ffi::SQLITE_FCNTL_FILE_POINTER,
-            &mut file as *mut *mut ffi::sqlite3_file as *mut c_void,
-        )
-    };
-    // SAFETY: `file` is null or the pager's handle of the database file, open while the connection is.
-    if rc != ffi::SQLITE_OK || file.is_null() || unsafe { (*file).pMethods.is_null() } {
-        return Err(storage_error(if rc == ffi::SQLITE_OK {
-            ffi::SQLITE_IOERR
-        } else {
-            rc
-        }));
-    }
+    let file = file_handle(conn, ffi::SQLITE_FCNTL_FILE_POINTER)
+        .ok_or_else(|| storage_error(ffi::SQLITE_IOERR))?;
     // SAFETY: the open database file's handle, used on the connection's thread outside any statement.
     unsafe { sync_file(file, flags) }
 }
