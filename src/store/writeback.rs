@@ -12,7 +12,7 @@
 //! file, which harms nothing. Elsewhere than Linux, or when the file is not found, nothing is paced.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 #[cfg(target_os = "linux")]
 use std::time::{Duration, Instant};
 
@@ -86,7 +86,7 @@ impl WriteBack {
             // A range with nothing dirty returns at once.
             if took > Duration::from_micros(50) {
                 wrote += 1;
-                if !hurry.load(Ordering::Relaxed) {
+                if !hurry.load(std::sync::atomic::Ordering::Relaxed) {
                     std::thread::sleep(took);
                 }
             }
