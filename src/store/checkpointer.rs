@@ -22,11 +22,14 @@
 //! a write that begins once every frame is copied, and beside a writer committing every few milliseconds a
 //! commit nearly always lands during a round. So the commit that adds a little more after the rounds (or
 //! that leaves the WAL [`PACED_CAP`] thresholds long while they go on) waits, after its own commit and
-//! holding no lock, while the thread *catches up*: the pin connection takes the write lock, the few frames
-//! left are copied, and the database file is synced (the WAL too at `synchronous=NORMAL`; at FULL every
-//! commit synced it). The next write then starts the WAL over. That wait, once per threshold of WAL, is
-//! what is left in a commit of the checkpoint's cost: one sync, against two syncs and the copy of a whole
-//! threshold's pages inside the commit.
+//! holding no lock, while the thread *catches up*: the pin connection takes the write lock, the WAL is
+//! synced, the few frames left are copied, and the database file is synced. The next write then starts the
+//! WAL over. That wait, once per threshold of WAL, is what is left in a commit of the checkpoint's cost: two
+//! syncs and the copy of a few frames, against two syncs and the copy of a whole threshold's pages inside
+//! the commit. The WAL is synced even at `synchronous=FULL`: a commit loop that overlaps its commits with
+//! their syncs commits at NORMAL, as other connections may, and leaves frames in it that are not on the disk
+//! yet, and a page copied from one of them could reach the database file before
+//! its frame reaches the WAL (`tests/checkpoint_wal_order.rs`).
 //!
 //! A failed sync of the database file leaves pages that only the WAL holds on the disk while SQLite counts
 //! them as copied: the thread then keeps its pin until it stops, so the WAL never starts over, checkpoints no
@@ -46,7 +49,7 @@ use std::time::{Duration, Instant};
 
 use rusqlite::{ffi, Connection};
 
-use crate::store::config::{Config, Synchronous};
+use crate::store::config::Config;
 use crate::store::error::Result;
 use crate::store::schema::install_busy_handler;
 use crate::store::wal_sync::{sync_database, sync_wal};
@@ -266,7 +269,6 @@ impl Checkpointer {
             conn,
             pin,
             write_back: WriteBack::new(path),
-            wal_synced_by_commits: config.synchronous == Synchronous::Full,
             threshold,
             copied_before: (0, 0),
         };
@@ -334,8 +336,6 @@ struct Thread {
     /// Holds the read transaction of a round, or the write lock of a catch-up.
     pin: Connection,
     write_back: WriteBack,
-    /// `synchronous=FULL`: every commit synced the WAL, so a catch-up (while the writer waits) need not.
-    wal_synced_by_commits: bool,
     threshold: i64,
     page_size: u64,
     /// Frames of the current WAL (by generation) this thread had copied back, to count what a checkpoint
@@ -499,11 +499,11 @@ impl Thread {
         if let Err(e) = self.pin.execute_batch("BEGIN IMMEDIATE") {
             return Copy::failed(code_of(&e));
         }
-        if !self.wal_synced_by_commits {
-            if let Err(e) = sync_wal(&self.conn) {
-                let _ = self.pin.execute_batch("ROLLBACK");
-                return Copy::failed(code_of_store(&e));
-            }
+        // Even at `synchronous=FULL`: a commit loop that overlaps its commits with their syncs commits at
+        // NORMAL, and so may another connection; the frames of such a commit may not be on the disk yet.
+        if let Err(e) = sync_wal(&self.conn) {
+            let _ = self.pin.execute_batch("ROLLBACK");
+            return Copy::failed(code_of_store(&e));
         }
         let mut c = self.copy();
         if c.rc == ffi::SQLITE_OK && c.done > 0 {

@@ -1,0 +1,218 @@
+//! The database file may receive a page only once the disk holds it in the WAL. A checkpoint that copies a
+//! frame the WAL has not synced yet can, at a power cut during its write-back, leave in the database file
+//! pages of a transaction whose frames recovery never sees (the WAL ends before them): half a transaction.
+//!
+//! A consumer core that overlaps its commits with their syncs commits without a sync of its own, so at
+//! every moment its latest commits are in the WAL but not yet on the disk; the checkpoint thread must sync
+//! the WAL before it copies them, in its rounds and in its catch-up alike. A VFS models the disk (a write
+//! is durable once a sync that began after it succeeded) and checks every page the checkpoint thread writes
+//! into the database file against the frames the disk's WAL holds.
+
+#![cfg(feature = "mqtt")]
+
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Once};
+use std::time::Duration;
+
+use edge_inbox::rusqlite::ffi;
+use edge_inbox::{Config, ConsumerCore, Delivery, Inbound, Inbox, SyncOverlap, Tx};
+
+#[path = "../examples/support/wrap_vfs.rs"]
+mod wrap_vfs;
+
+mod common;
+
+const VFS: &str = "edge-inbox-checkpoint-wal-order";
+const SCOPE: &str = "orders";
+const CHECKPOINT_THREAD: &str = "edge-inbox-checkpoint";
+const SYNC_THREAD: &str = "edge-inbox-sync";
+const WAL_HEADER: usize = 32;
+const FRAME_HEADER: usize = 24;
+
+#[derive(Default)]
+struct File {
+    name: String,
+    durable: Vec<u8>,
+    /// Written and not yet known durable, numbered in order: durable once a sync that begins after the
+    /// write succeeds.
+    pending: Vec<(u64, u64, Option<Vec<u8>>)>,
+    writes: u64,
+}
+
+impl File {
+    fn push(&mut self, off: u64, data: Option<Vec<u8>>) {
+        self.writes += 1;
+        self.pending.push((self.writes, off, data));
+    }
+}
+
+#[derive(Default)]
+struct Disk {
+    dir: Mutex<Option<String>>,
+    files: Mutex<Vec<File>>,
+    /// Pages the checkpoint thread wrote into the database file that the disk's WAL did not hold.
+    unbacked: Mutex<Vec<String>>,
+    /// Pages the checkpoint thread wrote into the database file (the test saw checkpoints at all).
+    copied: AtomicUsize,
+}
+
+fn apply(bytes: &mut Vec<u8>, off: u64, data: Option<&[u8]>) {
+    let Some(data) = data else {
+        bytes.truncate(off as usize);
+        return;
+    };
+    let end = off as usize + data.len();
+    if bytes.len() < end {
+        bytes.resize(end, 0);
+    }
+    bytes[off as usize..end].copy_from_slice(data);
+}
+
+/// Whether the WAL image `wal` holds a frame of page `page` with exactly `data`.
+fn wal_holds(wal: &[u8], page: u32, data: &[u8]) -> bool {
+    let frame = FRAME_HEADER + data.len();
+    let mut at = WAL_HEADER;
+    while at + frame <= wal.len() {
+        let number = u32::from_be_bytes(wal[at..at + 4].try_into().unwrap());
+        if number == page && &wal[at + FRAME_HEADER..at + frame] == data {
+            return true;
+        }
+        at += frame;
+    }
+    false
+}
+
+impl wrap_vfs::Observer for Arc<Disk> {
+    fn open(&self, name: Option<&str>, flags: c_int) -> Option<usize> {
+        let dir = self.dir.lock().unwrap().clone()?;
+        let name = name?;
+        if !name.starts_with(&dir) || flags & (ffi::SQLITE_OPEN_MAIN_DB | ffi::SQLITE_OPEN_WAL) == 0
+        {
+            return None;
+        }
+        let mut files = self.files.lock().unwrap();
+        if let Some(i) = files.iter().position(|f| f.name == name) {
+            return Some(i);
+        }
+        files.push(File {
+            name: name.to_owned(),
+            ..File::default()
+        });
+        Some(files.len() - 1)
+    }
+
+    fn write(&self, tag: usize, off: u64, data: &[u8]) {
+        let mut files = self.files.lock().unwrap();
+        let is_db = !files[tag].name.ends_with("-wal");
+        if is_db && std::thread::current().name() == Some(CHECKPOINT_THREAD) {
+            self.copied.fetch_add(1, Ordering::SeqCst);
+            let page = (off / data.len() as u64 + 1) as u32;
+            let wal_name = format!("{}-wal", files[tag].name);
+            let held = files
+                .iter()
+                .find(|f| f.name == wal_name)
+                .is_some_and(|w| wal_holds(&w.durable, page, data));
+            if !held {
+                self.unbacked
+                    .lock()
+                    .unwrap()
+                    .push(format!("page {page} at offset {off}"));
+            }
+        }
+        files[tag].push(off, Some(data.to_vec()));
+    }
+
+    fn truncate(&self, tag: usize, size: u64) {
+        self.files.lock().unwrap()[tag].push(size, None);
+    }
+
+    fn sync(&self, tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
+        // Only what was written before the sync began is sure to be on the disk when it ends.
+        let covered = self.files.lock().unwrap()[tag].writes;
+        let thread = std::thread::current();
+        let wal = self.files.lock().unwrap()[tag].name.ends_with("-wal");
+        if thread.name() == Some(SYNC_THREAD) || (!wal && thread.name() == Some(CHECKPOINT_THREAD))
+        {
+            // A card's sync: the commits made meanwhile stay in the WAL unsynced for a while, and commits
+            // land while a round of the checkpoint thread syncs the database file (so that a catch-up
+            // follows the rounds).
+            std::thread::sleep(Duration::from_millis(15));
+        }
+        let rc = real();
+        if rc == ffi::SQLITE_OK {
+            let mut files = self.files.lock().unwrap();
+            let f = &mut files[tag];
+            // Another connection's sync may have made some of them durable meanwhile.
+            let (done, left) = std::mem::take(&mut f.pending)
+                .into_iter()
+                .partition(|(n, _, _)| *n <= covered);
+            f.pending = left;
+            for (_, off, data) in done {
+                apply(&mut f.durable, off, data.as_deref());
+            }
+        }
+        rc
+    }
+
+    fn mmap(&self) -> bool {
+        false
+    }
+}
+
+fn disk() -> Arc<Disk> {
+    static DISK: std::sync::OnceLock<Arc<Disk>> = std::sync::OnceLock::new();
+    static ONCE: Once = Once::new();
+    let d = DISK.get_or_init(Arc::default).clone();
+    ONCE.call_once(|| wrap_vfs::register(VFS, Arc::new(d.clone()), false));
+    d
+}
+
+fn bump(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
+    let n: i64 = tx.get(d.message_id)?.unwrap_or(0);
+    tx.put(d.message_id, &(n + 1))?;
+    Ok(())
+}
+
+#[test]
+fn checkpoints_copy_only_frames_the_disk_holds_while_commits_overlap_their_syncs() {
+    let disk = disk();
+    let dir = tempfile::tempdir().unwrap();
+    *disk.dir.lock().unwrap() = Some(dir.path().to_str().unwrap().to_owned());
+    let path = dir.path().join("inbox.db");
+    // A small threshold: rounds and catch-ups every few batches.
+    let config = Config::default().vfs(VFS).wal_autocheckpoint(16);
+    let inbox = Inbox::open(&path, config).unwrap();
+    let core = ConsumerCore::new(inbox, SCOPE).overlap_syncs(SyncOverlap::On);
+    let sent = common::SentAcks::default();
+    let (mut feed, commits) = core.spawn(bump, sent.clone(), 64).unwrap();
+    feed.connected(true).unwrap();
+    let n = common::scaled(600).max(200);
+    for i in 0..n {
+        let id = format!("m-{i}");
+        let inbound =
+            Inbound::new("orders/1", id.clone().into_bytes()).with_user_property("message-id", &id);
+        feed.publish(inbound, Some((i % 60_000 + 1) as u16))
+            .unwrap();
+        if i % 8 == 7 {
+            // Deliveries arrive in small groups, so that many commits (and checkpoints) follow each other.
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    sent.wait_for(n);
+    commits.stop();
+    let (core, result) = commits.join();
+    let summary = result.unwrap();
+    assert_eq!(summary.processed, n as u64, "{summary:?}");
+    drop(feed);
+    drop(core);
+    let copied = disk.copied.load(Ordering::SeqCst);
+    assert!(copied > 0, "the checkpoint thread copied no page");
+    let unbacked = disk.unbacked.lock().unwrap().clone();
+    assert!(
+        unbacked.is_empty(),
+        "{} of {copied} pages copied into the database file before the disk held them in the WAL: {:?}",
+        unbacked.len(),
+        &unbacked[..unbacked.len().min(10)]
+    );
+}
