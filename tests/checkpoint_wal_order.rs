@@ -7,11 +7,14 @@
 //! the WAL before it copies them, in its rounds and in its catch-up alike. A VFS models the disk (a write
 //! is durable once a sync that began after it succeeded) and checks every page the checkpoint thread writes
 //! into the database file against the frames the disk's WAL holds.
+//!
+//! The same disk then loses a sync of the database file, the catch-up's: the WAL is then the only copy of
+//! those pages on the disk, so it must not start over, and a power cut must lose no acknowledged delivery.
 
 #![cfg(feature = "mqtt")]
 
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Once};
 use std::time::Duration;
 
@@ -28,6 +31,17 @@ const SCOPE: &str = "orders";
 const CHECKPOINT_THREAD: &str = "edge-inbox-checkpoint";
 const SYNC_THREAD: &str = "edge-inbox-sync";
 const WAL_HEADER: usize = 32;
+/// The sync thread's syncs and the checkpoint thread's syncs of the database file take 15 ms.
+static SLOW: AtomicBool = AtomicBool::new(false);
+/// The checkpoint thread's syncs of the database file that begin while set wait until it is cleared.
+static HOLD_DB_SYNC: AtomicBool = AtomicBool::new(false);
+static HELD: AtomicUsize = AtomicUsize::new(0);
+/// The checkpoint thread's syncs of the database file that begin while set fail, and what they should have
+/// written never reaches the disk (the kernel marks those pages clean).
+static FAIL_DB_SYNC: AtomicBool = AtomicBool::new(false);
+static FAILED: AtomicUsize = AtomicUsize::new(0);
+/// The tests take turns: the flags and the disk are the process's.
+static TURN: Mutex<()> = Mutex::new(());
 const FRAME_HEADER: usize = 24;
 
 #[derive(Default)]
@@ -95,8 +109,11 @@ impl wrap_vfs::Observer for Arc<Disk> {
         if let Some(i) = files.iter().position(|f| f.name == name) {
             return Some(i);
         }
+        // What a file holds when first opened here (closed before, and synced by its closing checkpoint) is
+        // on the disk.
         files.push(File {
             name: name.to_owned(),
+            durable: std::fs::read(name).unwrap_or_default(),
             ..File::default()
         });
         Some(files.len() - 1)
@@ -132,12 +149,28 @@ impl wrap_vfs::Observer for Arc<Disk> {
         let covered = self.files.lock().unwrap()[tag].writes;
         let thread = std::thread::current();
         let wal = self.files.lock().unwrap()[tag].name.ends_with("-wal");
-        if thread.name() == Some(SYNC_THREAD) || (!wal && thread.name() == Some(CHECKPOINT_THREAD))
-        {
+        let checkpoint_db = !wal && thread.name() == Some(CHECKPOINT_THREAD);
+        if SLOW.load(Ordering::SeqCst) && (thread.name() == Some(SYNC_THREAD) || checkpoint_db) {
             // A card's sync: the commits made meanwhile stay in the WAL unsynced for a while, and commits
             // land while a round of the checkpoint thread syncs the database file (so that a catch-up
             // follows the rounds).
             std::thread::sleep(Duration::from_millis(15));
+        }
+        if checkpoint_db {
+            let fail = FAIL_DB_SYNC.load(Ordering::SeqCst);
+            if HOLD_DB_SYNC.load(Ordering::SeqCst) {
+                HELD.fetch_add(1, Ordering::SeqCst);
+                wait_until("the test releasing a sync of the database file", || {
+                    !HOLD_DB_SYNC.load(Ordering::SeqCst)
+                });
+                HELD.fetch_sub(1, Ordering::SeqCst);
+            }
+            if fail {
+                let mut files = self.files.lock().unwrap();
+                files[tag].pending.retain(|(n, _, _)| *n > covered);
+                FAILED.fetch_add(1, Ordering::SeqCst);
+                return ffi::SQLITE_IOERR_FSYNC;
+            }
         }
         let rc = real();
         if rc == ffi::SQLITE_OK {
@@ -160,6 +193,17 @@ impl wrap_vfs::Observer for Arc<Disk> {
     }
 }
 
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !f() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 fn disk() -> Arc<Disk> {
     static DISK: std::sync::OnceLock<Arc<Disk>> = std::sync::OnceLock::new();
     static ONCE: Once = Once::new();
@@ -176,9 +220,12 @@ fn bump(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
 
 #[test]
 fn checkpoints_copy_only_frames_the_disk_holds_while_commits_overlap_their_syncs() {
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
     let disk = disk();
     let dir = tempfile::tempdir().unwrap();
     *disk.dir.lock().unwrap() = Some(dir.path().to_str().unwrap().to_owned());
+    disk.unbacked.lock().unwrap().clear();
+    SLOW.store(true, Ordering::SeqCst);
     let path = dir.path().join("inbox.db");
     // A small threshold: rounds and catch-ups every few batches.
     let config = Config::default().vfs(VFS).wal_autocheckpoint(16);
@@ -206,6 +253,7 @@ fn checkpoints_copy_only_frames_the_disk_holds_while_commits_overlap_their_syncs
     assert_eq!(summary.processed, n as u64, "{summary:?}");
     drop(feed);
     drop(core);
+    SLOW.store(false, Ordering::SeqCst);
     let copied = disk.copied.load(Ordering::SeqCst);
     assert!(copied > 0, "the checkpoint thread copied no page");
     let unbacked = disk.unbacked.lock().unwrap().clone();
@@ -214,5 +262,120 @@ fn checkpoints_copy_only_frames_the_disk_holds_while_commits_overlap_their_syncs
         "{} of {copied} pages copied into the database file before the disk held them in the WAL: {:?}",
         unbacked.len(),
         &unbacked[..unbacked.len().min(10)]
+    );
+}
+
+fn deliver(inbox: &mut Inbox, i: usize) -> edge_inbox::Result<edge_inbox::Outcome> {
+    let id = format!("c-{i}");
+    inbox.process(&Delivery::new(SCOPE, &id, "orders/1", b"x"), bump)
+}
+
+/// Frames in the WAL file (its length: it does not shrink when the WAL starts over).
+fn wal_frames(dir: &std::path::Path) -> u64 {
+    std::fs::metadata(dir.join("inbox.db-wal"))
+        .map_or(0, |m| m.len())
+        .saturating_sub(WAL_HEADER as u64)
+        / (4096 + FRAME_HEADER as u64)
+}
+
+/// The catch-up's sync of the database file fails (the rounds' succeeded): the pages it copied are then on
+/// the disk only in the WAL, which must never start over, and a power cut later loses no acknowledged
+/// delivery. Fails when the catch-up lets the WAL start over after that failure.
+#[test]
+fn a_failed_sync_of_the_catch_up_keeps_the_wal_for_a_power_cut() {
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    let disk = disk();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    // A large identity index (outside the model: the file is on the disk once closed), so that the pages
+    // the catch-up copies are mostly not written again by the commits after it.
+    {
+        let mut inbox = Inbox::open(&path, Config::default()).unwrap();
+        let ids: Vec<String> = (0..50_000).map(|k| format!("p-{k}")).collect();
+        for chunk in ids.chunks(5000) {
+            let batch: Vec<Delivery<'_>> = chunk
+                .iter()
+                .map(|id| Delivery::new(SCOPE, id, "orders/1", b"x"))
+                .collect();
+            inbox
+                .process_batch(&batch, |_: &mut Tx<'_>, _: &Delivery<'_>| Ok(()))
+                .unwrap();
+        }
+    }
+    *disk.dir.lock().unwrap() = Some(dir.path().to_str().unwrap().to_owned());
+    const THRESHOLD: u64 = 40;
+    let config = Config::default()
+        .vfs(VFS)
+        .wal_autocheckpoint(THRESHOLD as u32);
+    let mut inbox = Inbox::open(&path, config).unwrap();
+    let mut acked = Vec::new();
+    let mut i = 0;
+    // The first round's sync of the database file is held while commits go on, until the WAL reaches the
+    // catch-up point (three thresholds while rounds run): that commit asks for the catch-up (and, the
+    // thread being busy, goes on after a short wait).
+    HOLD_DB_SYNC.store(true, Ordering::SeqCst);
+    while wal_frames(dir.path()) < THRESHOLD && i < 10_000 {
+        deliver(&mut inbox, i).unwrap();
+        acked.push(i);
+        i += 1;
+    }
+    wait_until("a round's sync of the database file", || {
+        HELD.load(Ordering::SeqCst) >= 1
+    });
+    while wal_frames(dir.path()) <= 3 * THRESHOLD + 4 && i < 10_000 {
+        deliver(&mut inbox, i).unwrap();
+        acked.push(i);
+        i += 1;
+    }
+    // The held round's sync succeeds; the catch-up's, which follows it, fails.
+    FAIL_DB_SYNC.store(true, Ordering::SeqCst);
+    HOLD_DB_SYNC.store(false, Ordering::SeqCst);
+    wait_until("the catch-up's failed sync", || {
+        FAILED.load(Ordering::SeqCst) >= 1
+    });
+    // Commits go on (the WAL grows); a few may be refused while the WAL is written out again.
+    let mut more = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while more < 2 * THRESHOLD && std::time::Instant::now() < deadline {
+        if deliver(&mut inbox, i).is_ok() {
+            acked.push(i);
+            more += 1;
+        }
+        i += 1;
+    }
+    drop(inbox);
+    FAIL_DB_SYNC.store(false, Ordering::SeqCst);
+    *disk.dir.lock().unwrap() = None;
+
+    // The power cut: the files as the disk holds them.
+    let cut = tempfile::tempdir().unwrap();
+    for f in disk.files.lock().unwrap().iter() {
+        if let Some(rest) = f.name.strip_prefix(dir.path().to_str().unwrap()) {
+            let name = std::path::Path::new(rest).file_name().unwrap();
+            std::fs::write(cut.path().join(name), &f.durable).unwrap();
+        }
+    }
+    let mut after = Inbox::open(cut.path().join("inbox.db"), Config::default()).unwrap();
+    let integrity: String = after
+        .connection()
+        .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(integrity, "ok");
+    let lost: Vec<usize> = acked
+        .iter()
+        .copied()
+        .filter(|&k| {
+            !matches!(
+                after.status(SCOPE, None, &format!("c-{k}")).unwrap(),
+                edge_inbox::Status::Recorded { .. }
+            )
+        })
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{} of {} acknowledged deliveries lost at the power cut: {:?}",
+        lost.len(),
+        acked.len(),
+        &lost[..lost.len().min(10)]
     );
 }

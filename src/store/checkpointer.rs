@@ -22,13 +22,14 @@
 //! a write that begins once every frame is copied, and beside a writer committing every few milliseconds a
 //! commit nearly always lands during a round. So the commit that adds a little more after the rounds (or
 //! that leaves the WAL [`PACED_CAP`] thresholds long while they go on) waits, after its own commit and
-//! holding no lock, while the thread *catches up*: the pin connection takes the write lock, the WAL is
-//! synced, the few frames left are copied, and the database file is synced. The next write then starts the
-//! WAL over. That wait, once per threshold of WAL, is what is left in a commit of the checkpoint's cost: two
-//! syncs and the copy of a few frames, against two syncs and the copy of a whole threshold's pages inside
-//! the commit. The WAL is synced even at `synchronous=FULL`: a commit loop that overlaps its commits with
-//! their syncs commits at NORMAL, as other connections may, and leaves frames in it that are not on the disk
-//! yet, and a page copied from one of them could reach the database file before
+//! holding no lock, while the thread *catches up*: a round without the paced write-back, which with that
+//! writer waiting copies every frame left. The next write then starts the WAL over. That wait, once per
+//! threshold of WAL, is what is left in a commit of the checkpoint's cost: two syncs and the copy of a few
+//! frames, against two syncs and the copy of a whole threshold's pages inside the commit.
+//!
+//! Every round and catch-up syncs the WAL before it copies, even at `synchronous=FULL`: a commit loop that
+//! overlaps its commits with their syncs commits at NORMAL, as other connections may, and leaves frames in
+//! the WAL that are not on the disk yet; a page copied from one of them could reach the database file before
 //! its frame reaches the WAL (`tests/checkpoint_wal_order.rs`).
 //!
 //! A failed sync of the database file leaves pages that only the WAL holds on the disk while SQLite counts
@@ -55,8 +56,8 @@ use crate::store::schema::install_busy_handler;
 use crate::store::wal_sync::{sync_database, sync_wal};
 use crate::store::writeback::WriteBack;
 
-/// How long a RESTART checkpoint (a pruner's), or the thread's catch-up, waits for the write lock or for
-/// readers, holding what it has.
+/// How long a RESTART checkpoint (a pruner's) waits for the write lock or for readers, holding what it has;
+/// also the busy wait of the checkpoint thread's connections.
 pub(crate) const RESTART_WAIT: Duration = Duration::from_millis(10);
 
 /// While the thread's rounds go on, the commit that leaves the WAL this many thresholds long waits for its
@@ -106,8 +107,8 @@ struct Wake {
     stop: bool,
 }
 
-/// How long a commit waits for the thread's catch-up (the frames left after its rounds, a sync or two, and
-/// [`RESTART_WAIT`] for the write lock; the end of a round's write-back first): a bound for a thread held up
+/// How long a commit waits for the thread's catch-up (the frames left after its rounds and two syncs; the end
+/// of a round's write-back first): a bound for a thread held up
 /// by a slow sync. Later commits do not wait while that request is still unanswered.
 const RESTART_HANDSHAKE: Duration = Duration::from_millis(250);
 
@@ -132,8 +133,8 @@ impl Shared {
     /// Asks for the thread's rounds when `threshold` frames are not yet copied: no lock unless it asks,
     /// once until the thread has finished them. Once the WAL reaches the catch-up point (a little past the
     /// end of rounds that commits outran, [`PACED_CAP`] thresholds at most), waits for the thread's
-    /// catch-up: with this writer waiting here the write lock is free, whereas a writer that never pauses
-    /// would take it back before the catch-up's busy handler looked again. A catch-up that fails (another
+    /// catch-up: with this writer waiting here, the catch-up's copy reaches the end of the WAL, whereas a
+    /// writer that never pauses would always add frames after its snapshot. A catch-up that fails (another
     /// writer, a reader that kept the WAL from starting over) is asked for again only after `threshold`
     /// more frames.
     pub(crate) fn after_commit(&self, frames: i64, restarted: bool, threshold: i64) {
@@ -333,7 +334,7 @@ fn code_of_store(e: &crate::store::error::Error) -> i32 {
 struct Thread {
     /// Runs the copies, at `synchronous=OFF`.
     conn: Connection,
-    /// Holds the read transaction of a round, or the write lock of a catch-up.
+    /// Holds the read transaction of a round or a catch-up.
     pin: Connection,
     write_back: WriteBack,
     threshold: i64,
@@ -464,6 +465,29 @@ impl Thread {
 
     /// One round: pin, sync the WAL, copy without a sync, write back paced, sync the database file, unpin.
     fn round(&mut self, hurry: &AtomicBool) -> Copy {
+        self.pinned_copy(Some(hurry))
+    }
+
+    /// The catch-up, while the committing writer waits (so that it adds no frame): every frame left is
+    /// copied and the database file synced, so that the next write starts the WAL over.
+    fn catch_up(&mut self) -> Copy {
+        let mut c = self.pinned_copy(None);
+        if c.rc == ffi::SQLITE_OK && c.done < c.log {
+            // Another connection committed after the pin began, or a reader with an older snapshot kept
+            // frames from the copy.
+            c.rc = ffi::SQLITE_BUSY;
+        }
+        c
+    }
+
+    /// Pins, syncs the WAL, copies without a sync, writes back paced (with `hurry`, in a round), syncs the
+    /// database file, unpins.
+    ///
+    /// The pin is a read transaction begun while frames are left to copy, so it holds one of the WAL's
+    /// read marks: no write can start the WAL over while it lasts, even once every frame is copied (a
+    /// write lock would not do: once released after a failed sync, with every frame copied, a reader
+    /// begun then would read past the WAL and hold nothing back).
+    fn pinned_copy(&mut self, write_back: Option<&AtomicBool>) -> Copy {
         let pinned = self.pin.execute_batch("BEGIN").and_then(|()| {
             self.pin
                 .query_row("SELECT count(*) FROM sqlite_master", [], |r| {
@@ -475,56 +499,25 @@ impl Thread {
             let _ = self.pin.execute_batch("ROLLBACK");
             return Copy::failed(code_of(&e));
         }
-        // As SQLite's own checkpoint begins: at `synchronous=NORMAL` this is what puts the frames on the
-        // disk before the database file holds their pages.
+        // As SQLite's own checkpoint begins, and at every `synchronous` level: a commit loop that overlaps
+        // its commits with their syncs commits at NORMAL, and so may another connection, so the frames up
+        // to the pin may not be on the disk yet; a page copied from one of them could reach the database
+        // file first.
         if let Err(e) = sync_wal(&self.conn) {
             let _ = self.pin.execute_batch("ROLLBACK");
             return Copy::failed(code_of_store(&e));
         }
         let c = self.copy();
         if c.rc == ffi::SQLITE_OK && c.done > 0 {
-            self.write_back.run(hurry);
+            if let Some(hurry) = write_back {
+                self.write_back.run(hurry);
+            }
             if let Err(e) = sync_database(&self.conn) {
                 // The pin stays: see the module's doc.
                 return self.database_unsynced(code_of_store(&e));
             }
         }
         let _ = self.pin.execute_batch("ROLLBACK");
-        c
-    }
-
-    /// The catch-up, while the committing writer waits: under the write lock (taken by the pin connection),
-    /// every frame left is copied and the database file synced, so the next write starts the WAL over.
-    fn catch_up(&mut self) -> Copy {
-        if let Err(e) = self.pin.execute_batch("BEGIN IMMEDIATE") {
-            return Copy::failed(code_of(&e));
-        }
-        // Even at `synchronous=FULL`: a commit loop that overlaps its commits with their syncs commits at
-        // NORMAL, and so may another connection; the frames of such a commit may not be on the disk yet.
-        if let Err(e) = sync_wal(&self.conn) {
-            let _ = self.pin.execute_batch("ROLLBACK");
-            return Copy::failed(code_of_store(&e));
-        }
-        let mut c = self.copy();
-        if c.rc == ffi::SQLITE_OK && c.done > 0 {
-            if let Err(e) = sync_database(&self.conn) {
-                // A read transaction of the copying connection takes over from the write lock as the pin
-                // (begun while the lock holds commits back, so nothing can start the WAL over in between).
-                let _ = self.conn.execute_batch("BEGIN");
-                let _ = self
-                    .conn
-                    .query_row("SELECT count(*) FROM sqlite_master", [], |r| {
-                        r.get::<_, i64>(0)
-                    });
-                let _ = self.pin.execute_batch("ROLLBACK");
-                return self.database_unsynced(code_of_store(&e));
-            }
-        }
-        let _ = self.pin.execute_batch("ROLLBACK");
-        if c.rc == ffi::SQLITE_OK && c.done < c.log {
-            // A reader with an older snapshot kept frames from the copy.
-            c.rc = ffi::SQLITE_BUSY;
-        }
         c
     }
 

@@ -154,8 +154,8 @@ impl Config {
     /// once in that sync: on a file with a large index they are thousands of scattered pages, which stalled
     /// every commit's sync behind them. A writer that never pauses keeps the WAL from starting over (a
     /// commit lands during every copy): soon after the copies, one commit waits, after committing, while the
-    /// thread catches up (under the write lock: a sync of the WAL, the few frames added since, a sync of
-    /// the database file). The thread sleeps until a commit asks, and is stopped when the
+    /// thread catches up (a sync of the WAL, the few frames added since, a sync of the database file).
+    /// The thread sleeps until a commit asks, and is stopped when the
     /// inbox is dropped. A [`Config::vfs`] serves the inbox's connection and the thread's two, from two
     /// threads. If they cannot be opened, the inbox logs a warning and checkpoints in the commits. `false`
     /// keeps one connection and no thread, SQLite's own behaviour.
