@@ -71,18 +71,6 @@ struct Disk {
     copied: AtomicUsize,
 }
 
-fn apply(bytes: &mut Vec<u8>, off: u64, data: Option<&[u8]>) {
-    let Some(data) = data else {
-        bytes.truncate(off as usize);
-        return;
-    };
-    let end = off as usize + data.len();
-    if bytes.len() < end {
-        bytes.resize(end, 0);
-    }
-    bytes[off as usize..end].copy_from_slice(data);
-}
-
 /// Whether the WAL image `wal` holds a frame of page `page` with exactly `data`.
 fn wal_holds(wal: &[u8], page: u32, data: &[u8]) -> bool {
     let frame = FRAME_HEADER + data.len();
@@ -182,7 +170,7 @@ impl wrap_vfs::Observer for Arc<Disk> {
                 .partition(|(n, _, _)| *n <= covered);
             f.pending = left;
             for (_, off, data) in done {
-                apply(&mut f.durable, off, data.as_deref());
+                common::apply_write(&mut f.durable, off, data.as_deref());
             }
         }
         rc

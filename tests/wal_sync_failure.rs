@@ -55,18 +55,6 @@ struct Image {
     pending: Vec<(u64, Option<Vec<u8>>)>,
 }
 
-fn apply(bytes: &mut Vec<u8>, off: u64, data: Option<&[u8]>) {
-    let Some(data) = data else {
-        bytes.truncate(off as usize);
-        return;
-    };
-    let end = off as usize + data.len();
-    if bytes.len() < end {
-        bytes.resize(end, 0);
-    }
-    bytes[off as usize..end].copy_from_slice(data);
-}
-
 /// The database file and its WAL as the disk holds them; one image per path, whichever connection writes.
 #[derive(Default)]
 struct Disk {
@@ -125,7 +113,7 @@ impl wrap_vfs::Observer for Disk {
             let mut files = self.files.lock().unwrap();
             let f = &mut files[tag];
             for (off, data) in std::mem::take(&mut f.pending) {
-                apply(&mut f.durable, off, data.as_deref());
+                common::apply_write(&mut f.durable, off, data.as_deref());
             }
         }
         rc

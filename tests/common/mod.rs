@@ -172,3 +172,16 @@ impl SentAcks {
         self.0.lock().unwrap().clone()
     }
 }
+
+/// A disk model's file image after a write of `data` at `off`, or a truncation to `off` (`None`).
+pub fn apply_write(bytes: &mut Vec<u8>, off: u64, data: Option<&[u8]>) {
+    let Some(data) = data else {
+        bytes.truncate(off as usize);
+        return;
+    };
+    let end = off as usize + data.len();
+    if bytes.len() < end {
+        bytes.resize(end, 0);
+    }
+    bytes[off as usize..end].copy_from_slice(data);
+}
