@@ -269,10 +269,17 @@ impl Drop for Db {
                 rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
                 true,
             );
+            // Nor may anything be written now: with the thread's pin gone, a write into a WAL whose frames
+            // all count as copied would start it over, overwriting those pages' only copy on the disk.
+            log::warn!(
+                "{}: the bytes-written counters since their last save are not saved at close, after a failed                  sync of the database file",
+                self.path.display()
+            );
+        } else {
+            self.wear.save_on_close(self);
         }
         // SAFETY: the statements are dropped exactly once, here, and before the connection they borrow;
         // `conn` came from `Box::into_raw` in `Db::new` and is freed exactly once.
-        self.wear.save_on_close(self);
         unsafe {
             ManuallyDrop::drop(&mut self.hot);
             drop(Box::from_raw(self.conn.as_ptr()));
