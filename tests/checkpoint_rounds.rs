@@ -9,7 +9,7 @@ use std::sync::{Arc, Condvar, Mutex, Once};
 use std::time::{Duration, Instant};
 
 use edge_inbox::rusqlite::ffi;
-use edge_inbox::{Config, Delivery, Inbox, Outcome, Tx};
+use edge_inbox::{Config, Delivery, Inbox, Outcome, Pruning, Tx};
 
 #[path = "../examples/support/wrap_vfs.rs"]
 mod wrap_vfs;
@@ -216,4 +216,39 @@ fn a_failed_sync_of_the_database_file_keeps_the_wal_for_the_next_open() {
             "delivery {k} was acknowledged but is {outcome:?} after reopening"
         );
     }
+}
+
+/// While a round pins its snapshot (its sync of the database file held here), a pruner's pass ends with
+/// `wal_checkpoint(TRUNCATE)`, which holds the write lock while it waits for that reader: it gives up after a
+/// short wait instead of the busy timeout (30 s here), so the commits behind it are not held for that long.
+/// Fails when the TRUNCATE waits with the connection's busy timeout.
+#[test]
+fn a_pruners_truncate_does_not_wait_out_the_busy_timeout_behind_a_rounds_pin() {
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    let gate = gate();
+    let dir = tempfile::tempdir().unwrap();
+    *gate.dir.lock().unwrap() = Some(dir.path().to_string_lossy().into_owned());
+    let path = dir.path().join("inbox.db");
+    let config = Config::default()
+        .vfs(VFS)
+        .busy_timeout(Duration::from_secs(30))
+        .wal_autocheckpoint(THRESHOLD as u32);
+    let mut inbox = Inbox::open(&path, config.clone()).unwrap();
+    gate.set(true);
+    let i = fill_to_threshold(&mut inbox, dir.path(), 0);
+    wait_until("the thread's sync of the database file", || {
+        gate.waiting.load(Ordering::SeqCst) >= 1
+    });
+    let mut pruner = Inbox::open(&path, config.checkpoint_thread(false)).unwrap();
+    let started = Instant::now();
+    let report = pruner.prune(&Pruning::default().pause(Duration::ZERO));
+    let took = started.elapsed();
+    deliver(&mut inbox, i).unwrap();
+    gate.set(false);
+    *gate.dir.lock().unwrap() = None;
+    report.unwrap();
+    assert!(
+        took < Duration::from_secs(10),
+        "the pruner's pass took {took:?} beside the round's pin (busy timeout 30 s)"
+    );
 }

@@ -11,9 +11,11 @@ use crate::retention::{
     clock_floor, clock_verdict, load_rules, versioned_scope, Phase, PruneReport, Pruning,
     RetentionPolicy, RetentionState,
 };
+use crate::store::checkpointer::RESTART_WAIT;
 use crate::store::config::Synchronous;
 use crate::store::db::Db;
 use crate::store::error::{Error, Result};
+use crate::store::schema::install_busy_handler;
 use crate::store::txn::{unix_now, write};
 use crate::store::wal_sync;
 
@@ -216,7 +218,8 @@ impl Inbox {
                 // After a failed sync, no checkpoint before the WAL is written out again (or the disk's error,
                 // for the next step to try again).
                 self.conn.write_out_unsynced_wal()?;
-                if let Err(e) = checkpoint(&self.conn, opts.truncate_wal) {
+                if let Err(e) = checkpoint(&self.conn, opts.truncate_wal, self.config.busy_timeout)
+                {
                     if let Some(code) = e.sqlite_code() {
                         self.conn.note_if_io_error(code);
                     }
@@ -481,13 +484,19 @@ fn vacuum_step(conn: &Db, pages: u32) -> Result<u64> {
     })
 }
 
-/// Copies the WAL back into the database without blocking writers, then optionally truncates it (which waits,
-/// within the busy timeout, for a moment with no writer and no reader on an old snapshot).
-fn checkpoint(conn: &Connection, truncate: bool) -> Result<()> {
+/// Copies the WAL back into the database without blocking writers, then optionally truncates it. The
+/// TRUNCATE holds the write lock while it waits for readers on an old snapshot (a consumer's checkpoint
+/// thread pins one for the length of a round, and for good after a failed sync of the database file), so
+/// it waits [`RESTART_WAIT`] at most, not the busy timeout that every commit would wait behind it too.
+fn checkpoint(conn: &Connection, truncate: bool, busy_timeout: Duration) -> Result<()> {
     conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
     if truncate {
-        let busy: i64 = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get(0))?;
-        if busy != 0 {
+        install_busy_handler(conn, RESTART_WAIT)?;
+        let busy = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            r.get::<_, i64>(0)
+        });
+        install_busy_handler(conn, busy_timeout)?;
+        if busy? != 0 {
             log::debug!("WAL truncate skipped: the database was busy");
         }
     }
