@@ -76,6 +76,17 @@ fn gate() -> Arc<Gate> {
 
 static TURN: Mutex<()> = Mutex::new(());
 
+/// Opens the gate when dropped: a test that fails while it is closed must not leave the checkpoint thread
+/// held in a sync, which the inbox's drop would wait for. Made after the inbox, so that it is dropped first.
+struct Reopen(Arc<Gate>);
+
+impl Drop for Reopen {
+    fn drop(&mut self) {
+        self.0.set(false);
+        self.0.failing.store(false, Ordering::SeqCst);
+    }
+}
+
 fn noop(_: &mut Tx<'_>, _: &Delivery<'_>) -> anyhow::Result<()> {
     Ok(())
 }
@@ -127,6 +138,7 @@ fn no_write_starts_the_wal_over_before_the_copied_pages_are_synced() {
         .vfs(VFS)
         .wal_autocheckpoint(THRESHOLD as u32);
     let mut inbox = Inbox::open(dir.path().join("inbox.db"), config).unwrap();
+    let _reopen = Reopen(gate.clone());
     gate.set(true);
     let mut i = fill_to_threshold(&mut inbox, dir.path(), 0);
     wait_until("the thread's sync of the database file", || {
@@ -173,6 +185,7 @@ fn a_failed_sync_of_the_database_file_keeps_the_wal_for_the_next_open() {
         .vfs(VFS)
         .wal_autocheckpoint(THRESHOLD as u32);
     let mut inbox = Inbox::open(&path, config.clone()).unwrap();
+    let _reopen = Reopen(gate.clone());
     gate.failing.store(true, Ordering::SeqCst);
     let mut acked = Vec::new();
     let mut i = 0;
@@ -234,6 +247,7 @@ fn a_pruners_truncate_does_not_wait_out_the_busy_timeout_behind_a_rounds_pin() {
         .busy_timeout(Duration::from_secs(30))
         .wal_autocheckpoint(THRESHOLD as u32);
     let mut inbox = Inbox::open(&path, config.clone()).unwrap();
+    let _reopen = Reopen(gate.clone());
     gate.set(true);
     let i = fill_to_threshold(&mut inbox, dir.path(), 0);
     wait_until("the thread's sync of the database file", || {

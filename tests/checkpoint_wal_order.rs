@@ -176,8 +176,42 @@ impl wrap_vfs::Observer for Arc<Disk> {
         rc
     }
 
+    fn delete(&self, name: &str) {
+        // An unlink is on the disk at once here: a file made again at that path starts empty.
+        for f in self
+            .files
+            .lock()
+            .unwrap()
+            .iter_mut()
+            .filter(|f| f.name == name)
+        {
+            f.durable.clear();
+            f.pending.clear();
+        }
+    }
+
     fn mmap(&self) -> bool {
         false
+    }
+}
+
+/// Clears the switches when made and when dropped: a test that fails half-way must not leave the checkpoint
+/// thread held in a sync (its inbox's drop joins it) nor the next test's syncs failing. Made after the
+/// inbox, so that it is dropped first.
+struct Switches;
+
+impl Switches {
+    fn clear() -> Switches {
+        drop(Switches);
+        Switches
+    }
+}
+
+impl Drop for Switches {
+    fn drop(&mut self) {
+        SLOW.store(false, Ordering::SeqCst);
+        HOLD_DB_SYNC.store(false, Ordering::SeqCst);
+        FAIL_DB_SYNC.store(false, Ordering::SeqCst);
     }
 }
 
@@ -213,6 +247,8 @@ fn checkpoints_copy_only_frames_the_disk_holds_while_commits_overlap_their_syncs
     let dir = tempfile::tempdir().unwrap();
     *disk.dir.lock().unwrap() = Some(dir.path().to_str().unwrap().to_owned());
     disk.unbacked.lock().unwrap().clear();
+    disk.copied.store(0, Ordering::SeqCst);
+    let _switches = Switches::clear();
     SLOW.store(true, Ordering::SeqCst);
     let path = dir.path().join("inbox.db");
     // A small threshold: rounds and catch-ups every few batches.
@@ -309,6 +345,7 @@ fn failed_catch_up_then_power_cut(more_after: usize) {
         .vfs(VFS)
         .wal_autocheckpoint(THRESHOLD as u32);
     let mut inbox = Inbox::open(&path, config).unwrap();
+    let _switches = Switches::clear();
     FAILED.store(0, Ordering::SeqCst);
     let mut acked = Vec::new();
     let mut i = 0;

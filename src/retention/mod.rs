@@ -361,8 +361,9 @@ impl Pruning {
 
     /// End a pass with `wal_checkpoint(TRUNCATE)` so the WAL file shrinks to zero (default true). The
     /// TRUNCATE holds the write lock while it waits for readers of an older snapshot (a consumer's
-    /// checkpoint thread keeps one for the length of its copy), so it gives up after 10 ms and leaves the
-    /// WAL as it is for the next pass, rather than holding every commit back for the busy timeout.
+    /// checkpoint thread keeps one for the length of its copy), so it gives up after 10 ms (waiting for the
+    /// write lock included) and leaves the WAL as it is for the next pass, rather than holding every commit
+    /// back for the busy timeout.
     pub fn truncate_wal(mut self, truncate: bool) -> Self {
         self.truncate_wal = truncate;
         self

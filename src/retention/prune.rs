@@ -487,7 +487,9 @@ fn vacuum_step(conn: &Db, pages: u32) -> Result<u64> {
 /// Copies the WAL back into the database without blocking writers, then optionally truncates it. The
 /// TRUNCATE holds the write lock while it waits for readers on an old snapshot (a consumer's checkpoint
 /// thread pins one for the length of a round, and for good after a failed sync of the database file), so
-/// it waits [`RESTART_WAIT`] at most, not the busy timeout that every commit would wait behind it too.
+/// it waits [`RESTART_WAIT`] at most, not the busy timeout that every commit would wait behind it too;
+/// that bound covers its wait for the write lock as well, so beside a writer that seldom lets go of it the
+/// TRUNCATE is skipped more often (the next pass tries again).
 fn checkpoint(conn: &Connection, truncate: bool, busy_timeout: Duration) -> Result<()> {
     conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
     if truncate {
@@ -495,8 +497,11 @@ fn checkpoint(conn: &Connection, truncate: bool, busy_timeout: Duration) -> Resu
         let busy = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
             r.get::<_, i64>(0)
         });
-        install_busy_handler(conn, busy_timeout)?;
-        if busy? != 0 {
+        // The TRUNCATE's error (an I/O error the caller records) before one of restoring the handler.
+        let restored = install_busy_handler(conn, busy_timeout);
+        let busy = busy?;
+        restored?;
+        if busy != 0 {
             log::debug!("WAL truncate skipped: the database was busy");
         }
     }

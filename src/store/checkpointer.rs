@@ -58,8 +58,8 @@ use crate::store::schema::install_busy_handler;
 use crate::store::wal_sync::{sync_database, sync_wal};
 use crate::store::writeback::WriteBack;
 
-/// How long a RESTART checkpoint (a pruner's) waits for the write lock or for readers, holding what it has;
-/// also the busy wait of the checkpoint thread's connections.
+/// How long a RESTART or TRUNCATE checkpoint (a pruner's) waits for the write lock or for readers, holding
+/// what it has; also the busy wait of the checkpoint thread's connections.
 pub(crate) const RESTART_WAIT: Duration = Duration::from_millis(10);
 
 /// While the thread's rounds go on, the commit that leaves the WAL this many thresholds long waits for its

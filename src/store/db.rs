@@ -272,7 +272,8 @@ impl Drop for Db {
             // Nor may anything be written now: with the thread's pin gone, a write into a WAL whose frames
             // all count as copied would start it over, overwriting those pages' only copy on the disk.
             log::warn!(
-                "{}: the bytes-written counters since their last save are not saved at close, after a failed                  sync of the database file",
+                "{}: the bytes-written counters since their last save are not saved at close, after a failed \
+                 sync of the database file",
                 self.path.display()
             );
         } else {
