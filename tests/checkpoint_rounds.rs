@@ -76,6 +76,19 @@ fn gate() -> Arc<Gate> {
 
 static TURN: Mutex<()> = Mutex::new(());
 
+/// Waits for this test's turn, and points the gate at a new directory of its own.
+fn take_turn() -> (
+    std::sync::MutexGuard<'static, ()>,
+    Arc<Gate>,
+    tempfile::TempDir,
+) {
+    let turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    let gate = gate();
+    let dir = tempfile::tempdir().unwrap();
+    *gate.dir.lock().unwrap() = Some(dir.path().to_string_lossy().into_owned());
+    (turn, gate, dir)
+}
+
 /// Opens the gate when dropped: a test that fails while it is closed must not leave the checkpoint thread
 /// held in a sync, which the inbox's drop would wait for. Made after the inbox, so that it is dropped first.
 struct Reopen(Arc<Gate>);
@@ -130,10 +143,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 /// sync: the WAL's length then stays where it was, its first frames written again.
 #[test]
 fn no_write_starts_the_wal_over_before_the_copied_pages_are_synced() {
-    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
-    let gate = gate();
-    let dir = tempfile::tempdir().unwrap();
-    *gate.dir.lock().unwrap() = Some(dir.path().to_string_lossy().into_owned());
+    let (_turn, gate, dir) = take_turn();
     let config = Config::default()
         .vfs(VFS)
         .wal_autocheckpoint(THRESHOLD as u32);
@@ -176,10 +186,7 @@ fn no_write_starts_the_wal_over_before_the_copied_pages_are_synced() {
 /// more without a working sync, and deleted).
 #[test]
 fn a_failed_sync_of_the_database_file_keeps_the_wal_for_the_next_open() {
-    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
-    let gate = gate();
-    let dir = tempfile::tempdir().unwrap();
-    *gate.dir.lock().unwrap() = Some(dir.path().to_string_lossy().into_owned());
+    let (_turn, gate, dir) = take_turn();
     let path = dir.path().join("inbox.db");
     let config = Config::default()
         .vfs(VFS)
@@ -237,10 +244,7 @@ fn a_failed_sync_of_the_database_file_keeps_the_wal_for_the_next_open() {
 /// Fails when the TRUNCATE waits with the connection's busy timeout.
 #[test]
 fn a_pruners_truncate_does_not_wait_out_the_busy_timeout_behind_a_rounds_pin() {
-    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
-    let gate = gate();
-    let dir = tempfile::tempdir().unwrap();
-    *gate.dir.lock().unwrap() = Some(dir.path().to_string_lossy().into_owned());
+    let (_turn, gate, dir) = take_turn();
     let path = dir.path().join("inbox.db");
     let config = Config::default()
         .vfs(VFS)
