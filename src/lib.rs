@@ -204,9 +204,10 @@
 //! catches up with the WAL (one commit waits while it copies the frames added during its copies, with two
 //! syncs) when a writer that never pauses keeps it from starting over. Every copy begins with a sync of the
 //! WAL, at any `synchronous` level, so that no page reaches the database file before its frame is on the
-//! disk. A handler that sets `PRAGMA wal_autocheckpoint` or its own WAL hook on the connection replaces the inbox's and stops the counting. The counts are saved in the file after each
-//! checkpoint and at close (`inboxctl stats` reads them), so they lag by a WAL's worth at most; the eMMC's own
-//! wear figures come from [`inspect::device_wear`]. [`Config::page_size`] sets the page size of a new file.
+//! disk. A handler that sets `PRAGMA wal_autocheckpoint` or its own WAL hook on the connection replaces the
+//! inbox's and stops the counting. The counts are saved in the file after each checkpoint and at close
+//! (`inboxctl stats` reads them), so they lag by a WAL's worth at most; the eMMC's own wear figures come from
+//! [`inspect::device_wear`]. [`Config::page_size`] sets the page size of a new file.
 //!
 //! ## Resolving an unknown commit
 //!

@@ -110,8 +110,8 @@ struct Wake {
 }
 
 /// How long a commit waits for the thread's catch-up (the frames left after its rounds and two syncs; the end
-/// of a round's write-back first): a bound for a thread held up
-/// by a slow sync. Later commits do not wait while that request is still unanswered.
+/// of a round's write-back first): a bound for a thread held up by a slow sync. Later commits do not wait
+/// while that request is still unanswered.
 const RESTART_HANDSHAKE: Duration = Duration::from_millis(250);
 
 impl Shared {

@@ -155,10 +155,10 @@ impl Config {
     /// every commit's sync behind them. A writer that never pauses keeps the WAL from starting over (a
     /// commit lands during every copy): soon after the copies, one commit waits, after committing, while the
     /// thread catches up (a sync of the WAL, the few frames added since, a sync of the database file).
-    /// The thread sleeps until a commit asks, and is stopped when the
-    /// inbox is dropped. A [`Config::vfs`] serves the inbox's connection and the thread's two, from two
-    /// threads. If they cannot be opened, the inbox logs a warning and checkpoints in the commits. `false`
-    /// keeps one connection and no thread, SQLite's own behaviour.
+    /// The thread sleeps until a commit asks, and is stopped when the inbox is dropped. A [`Config::vfs`]
+    /// serves the inbox's connection and the thread's two, from two threads. If they cannot be opened, the
+    /// inbox logs a warning and checkpoints in the commits. `false` keeps one connection and no thread,
+    /// SQLite's own behaviour.
     pub fn checkpoint_thread(mut self, on: bool) -> Self {
         self.checkpoint_thread = on;
         self
