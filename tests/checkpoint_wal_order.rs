@@ -9,7 +9,8 @@
 //! into the database file against the frames the disk's WAL holds.
 //!
 //! The same disk then loses a sync of the database file, the catch-up's: the WAL is then the only copy of
-//! those pages on the disk, so it must not start over, and a power cut must lose no acknowledged delivery.
+//! those pages on the disk, so it must not start over (neither by the commits that follow nor at the
+//! inbox's close), and a power cut must lose no acknowledged delivery.
 
 #![cfg(feature = "mqtt")]
 
@@ -31,6 +32,7 @@ const SCOPE: &str = "orders";
 const CHECKPOINT_THREAD: &str = "edge-inbox-checkpoint";
 const SYNC_THREAD: &str = "edge-inbox-sync";
 const WAL_HEADER: usize = 32;
+const FRAME_HEADER: usize = 24;
 /// The sync thread's syncs and the checkpoint thread's syncs of the database file take 15 ms.
 static SLOW: AtomicBool = AtomicBool::new(false);
 /// The checkpoint thread's syncs of the database file that begin while set wait until it is cleared.
@@ -42,7 +44,6 @@ static FAIL_DB_SYNC: AtomicBool = AtomicBool::new(false);
 static FAILED: AtomicUsize = AtomicUsize::new(0);
 /// The tests take turns: the flags and the disk are the process's.
 static TURN: Mutex<()> = Mutex::new(());
-const FRAME_HEADER: usize = 24;
 
 #[derive(Default)]
 struct File {
