@@ -5,7 +5,7 @@
 use std::ffi::c_int;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Once};
+use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
 use edge_inbox::rusqlite::ffi;
@@ -13,6 +13,8 @@ use edge_inbox::{Config, Delivery, Inbox, Outcome, Pruning, Tx};
 
 #[path = "../examples/support/wrap_vfs.rs"]
 mod wrap_vfs;
+
+mod common;
 
 const VFS: &str = "edge-inbox-checkpoint-rounds";
 const SCOPE: &str = "commands";
@@ -24,9 +26,7 @@ const THRESHOLD: u64 = 40;
 #[derive(Default)]
 struct Gate {
     dir: Mutex<Option<String>>,
-    closed: Mutex<bool>,
-    cv: Condvar,
-    waiting: AtomicUsize,
+    latch: common::Latch,
     failing: AtomicBool,
     failed: AtomicUsize,
 }
@@ -45,23 +45,14 @@ impl wrap_vfs::Observer for Arc<Gate> {
             self.failed.fetch_add(1, Ordering::SeqCst);
             return ffi::SQLITE_IOERR_FSYNC;
         }
-        let mut closed = self.closed.lock().unwrap();
-        if *closed {
-            self.waiting.fetch_add(1, Ordering::SeqCst);
-            while *closed {
-                closed = self.cv.wait(closed).unwrap();
-            }
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-        }
-        drop(closed);
+        self.latch.pass();
         real()
     }
 }
 
 impl Gate {
     fn set(&self, closed: bool) {
-        *self.closed.lock().unwrap() = closed;
-        self.cv.notify_all();
+        self.latch.set(closed);
     }
 }
 
@@ -152,7 +143,7 @@ fn no_write_starts_the_wal_over_before_the_copied_pages_are_synced() {
     gate.set(true);
     let mut i = fill_to_threshold(&mut inbox, dir.path(), 0);
     wait_until("the thread's sync of the database file", || {
-        gate.waiting.load(Ordering::SeqCst) >= 1
+        gate.latch.waiting.load(Ordering::SeqCst) >= 1
     });
     let before = wal_len(dir.path());
     for _ in 0..3 {
@@ -255,7 +246,7 @@ fn a_pruners_truncate_does_not_wait_out_the_busy_timeout_behind_a_rounds_pin() {
     gate.set(true);
     let i = fill_to_threshold(&mut inbox, dir.path(), 0);
     wait_until("the thread's sync of the database file", || {
-        gate.waiting.load(Ordering::SeqCst) >= 1
+        gate.latch.waiting.load(Ordering::SeqCst) >= 1
     });
     let mut pruner = Inbox::open(&path, config.checkpoint_thread(false)).unwrap();
     let started = Instant::now();

@@ -3,8 +3,8 @@
 //! a writer that never pauses, and what the checkpoints copied is counted as before.
 
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Once};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Once};
 use std::time::{Duration, Instant};
 
 use edge_inbox::rusqlite::ffi;
@@ -12,6 +12,8 @@ use edge_inbox::{Config, Delivery, Inbox, Tx};
 
 #[path = "../examples/support/wrap_vfs.rs"]
 mod wrap_vfs;
+
+mod common;
 
 const VFS: &str = "edge-inbox-checkpoint-gate";
 const SCOPE: &str = "commands";
@@ -21,9 +23,7 @@ const SCOPE: &str = "commands";
 /// checkpoint begins by syncing the WAL; the writer's commits sync it too, and go through).
 #[derive(Default)]
 struct Gate {
-    closed: Mutex<bool>,
-    cv: Condvar,
-    waiting: AtomicUsize,
+    latch: common::Latch,
     writer: Mutex<Option<std::thread::ThreadId>>,
 }
 
@@ -46,23 +46,16 @@ impl wrap_vfs::Observer for Arc<Gate> {
 
     fn sync(&self, tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
         let by_writer = *self.writer.lock().unwrap() == Some(std::thread::current().id());
-        let mut closed = self.closed.lock().unwrap();
-        if *closed && (tag == 0 || !by_writer) {
-            self.waiting.fetch_add(1, Ordering::SeqCst);
-            while *closed {
-                closed = self.cv.wait(closed).unwrap();
-            }
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
+        if tag == 0 || !by_writer {
+            self.latch.pass();
         }
-        drop(closed);
         real()
     }
 }
 
 impl Gate {
     fn set(&self, closed: bool) {
-        *self.closed.lock().unwrap() = closed;
-        self.cv.notify_all();
+        self.latch.set(closed);
     }
 }
 
@@ -120,13 +113,13 @@ fn a_commit_past_the_threshold_does_not_wait_for_the_checkpoint() {
     });
     // Bounded: a writer held at the gate would never finish.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !(done.load(Ordering::SeqCst) && gate.waiting.load(Ordering::SeqCst) >= 1)
+    while !(done.load(Ordering::SeqCst) && gate.latch.waiting.load(Ordering::SeqCst) >= 1)
         && Instant::now() < deadline
     {
         std::thread::sleep(Duration::from_millis(10));
     }
     let finished = done.load(Ordering::SeqCst);
-    let held = gate.waiting.load(Ordering::SeqCst);
+    let held = gate.latch.waiting.load(Ordering::SeqCst);
     gate.set(false);
     let (mut inbox, frames) = writer.join().unwrap();
     *GATED_DIR.lock().unwrap() = None;

@@ -185,3 +185,32 @@ pub fn apply_write(bytes: &mut Vec<u8>, off: u64, data: Option<&[u8]>) {
     }
     bytes[off as usize..end].copy_from_slice(data);
 }
+
+/// A gate a VFS callback waits at while it is closed (a sync held by a test), counting who waits there.
+#[derive(Default)]
+pub struct Latch {
+    closed: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+    /// Callbacks waiting at the latch now.
+    pub waiting: std::sync::atomic::AtomicUsize,
+}
+
+impl Latch {
+    pub fn set(&self, closed: bool) {
+        *self.closed.lock().unwrap() = closed;
+        self.cv.notify_all();
+    }
+
+    /// Returns at once while open; while closed, waits until it opens.
+    pub fn pass(&self) {
+        use std::sync::atomic::Ordering;
+        let mut closed = self.closed.lock().unwrap();
+        if *closed {
+            self.waiting.fetch_add(1, Ordering::SeqCst);
+            while *closed {
+                closed = self.cv.wait(closed).unwrap();
+            }
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
