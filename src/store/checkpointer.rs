@@ -488,7 +488,10 @@ impl Thread {
     /// The pin is a read transaction begun while frames are left to copy, so it holds one of the WAL's
     /// read marks: no write can start the WAL over while it lasts, even once every frame is copied (a
     /// write lock would not do: once released after a failed sync, with every frame copied, a reader
-    /// begun then would read past the WAL and hold nothing back).
+    /// begun then would read past the WAL and hold nothing back). When another connection copied every
+    /// frame just before (a pruner's checkpoint), the pin is such a reader, on read mark 0: that stops
+    /// every copy while it lasts (a checkpoint takes mark 0 exclusively before it writes the database
+    /// file), so this one copies nothing, and a commit landing after the WAL's sync is never copied.
     fn pinned_copy(&mut self, write_back: Option<&AtomicBool>) -> Copy {
         let pinned = self.pin.execute_batch("BEGIN").and_then(|()| {
             self.pin
