@@ -13,7 +13,7 @@
 use std::cell::Cell;
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use edge_inbox::rusqlite::ffi;
@@ -25,6 +25,10 @@ static DELAY_US: AtomicU64 = AtomicU64::new(0);
 static WAL_BYTES: AtomicU64 = AtomicU64::new(0);
 static DB_BYTES: AtomicU64 = AtomicU64::new(0);
 static SYNCS: AtomicU64 = AtomicU64::new(0);
+/// How long each successful sync of a WAL file took (microseconds, the simulated delay included), in order.
+static WAL_SYNC_TIMES: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+/// Kept at most (4 MiB): a long run keeps its first syncs' times.
+const WAL_SYNC_TIMES_CAP: usize = 1 << 20;
 
 thread_local! {
     static THREAD_DB_BYTES: Cell<u64> = const { Cell::new(0) };
@@ -91,6 +95,25 @@ pub fn after_sync() {
     if !d.is_zero() {
         std::thread::sleep(d);
     }
+}
+
+/// A mark in the record of WAL sync times, for [`wal_syncs_since`].
+pub fn wal_sync_mark() -> usize {
+    WAL_SYNC_TIMES
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .len()
+}
+
+/// How long each sync of a WAL file since `mark` took (every connection's, the simulated delay included).
+pub fn wal_syncs_since(mark: usize) -> Vec<Duration> {
+    let times = WAL_SYNC_TIMES.lock().unwrap_or_else(|p| p.into_inner());
+    times
+        .get(mark..)
+        .unwrap_or_default()
+        .iter()
+        .map(|&us| Duration::from_micros(u64::from(us)))
+        .collect()
 }
 
 /// Bytes written since the process started: by SQLite to WAL and database files (through this VFS), and by
@@ -184,14 +207,21 @@ impl wrap_vfs::Observer for Field {
         }
     }
 
-    fn sync(&self, _tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
+    fn sync(&self, tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
         let started = Instant::now();
         let rc = real();
         if rc == ffi::SQLITE_OK {
             SYNCS.fetch_add(1, Ordering::Relaxed);
             after_sync();
         }
-        THREAD_SYNC.with(|t| t.set(t.get() + started.elapsed()));
+        let took = started.elapsed();
+        THREAD_SYNC.with(|t| t.set(t.get() + took));
+        if rc == ffi::SQLITE_OK && tag == WAL {
+            let mut times = WAL_SYNC_TIMES.lock().unwrap_or_else(|p| p.into_inner());
+            if times.len() < WAL_SYNC_TIMES_CAP {
+                times.push(took.as_micros().min(u128::from(u32::MAX)) as u32);
+            }
+        }
         rc
     }
 
