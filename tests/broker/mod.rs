@@ -146,6 +146,29 @@ pub fn run_tests(tests: &[(&'static str, fn(), Needs)]) -> ! {
     libtest_mimic::run(&args, trials).exit()
 }
 
+/// Whether the process `pid` holds the socket listening on 127.0.0.1:`port` (`/proc/net/tcp` and the
+/// process's descriptors); `None` where that cannot be read (another user's process, another system).
+fn listener_owned_by(pid: u32, port: u16) -> Option<bool> {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").ok()?;
+    let local = format!(":{port:04X}");
+    // Fields: slot, local address, remote address, state (0A: listening), ..., inode (the tenth).
+    let sockets: Vec<String> = tcp
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.len() > 9 && f[1].ends_with(&local) && f[3] == "0A")
+                .then(|| format!("socket:[{}]", f[9]))
+        })
+        .collect();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+    Some(fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path())
+            .ok()
+            .is_some_and(|target| sockets.iter().any(|s| target.as_os_str() == s.as_str()))
+    }))
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -220,7 +243,7 @@ impl Broker {
             extra: String::new(),
             persistence: true,
         };
-        b.spawn();
+        b.spawn_fresh();
         b
     }
 
@@ -240,7 +263,7 @@ impl Broker {
             verbose: false,
             persistence: true,
         };
-        b.spawn();
+        b.spawn_fresh();
         b
     }
 
@@ -258,7 +281,7 @@ impl Broker {
             verbose: false,
             persistence: true,
         };
-        b.spawn();
+        b.spawn_fresh();
         b
     }
 
@@ -276,7 +299,7 @@ impl Broker {
             extra: String::new(),
             persistence: true,
         };
-        b.spawn();
+        b.spawn_fresh();
         b
     }
 
@@ -294,7 +317,7 @@ impl Broker {
             extra: String::new(),
             persistence: false,
         };
-        b.spawn();
+        b.spawn_fresh();
         b
     }
 
@@ -311,7 +334,32 @@ impl Broker {
         self.spawn();
     }
 
+    /// Starts mosquitto on a new broker's port, or on another free port when that one was taken before
+    /// mosquitto could bind it (`free_port` lets it go, and another test's broker or client may get it
+    /// meanwhile; the connection check alone would then see the other listener).
+    fn spawn_fresh(&mut self) {
+        for _ in 0..5 {
+            if self.try_spawn() {
+                return;
+            }
+            self.kill();
+            self.port = free_port();
+        }
+        panic!("mosquitto could not listen on a free port in 5 tries");
+    }
+
+    /// Starts mosquitto again on its port, which it must get.
     fn spawn(&mut self) {
+        assert!(
+            self.try_spawn(),
+            "mosquitto did not listen on {}",
+            self.port
+        );
+    }
+
+    /// Starts mosquitto and waits until it listens on `self.port` itself: false when it ended first (the
+    /// port was taken) or did not listen within 10 s.
+    fn try_spawn(&mut self) -> bool {
         assert_eq!(
             self.kind,
             Kind::Mosquitto,
@@ -346,14 +394,22 @@ impl Broker {
             .stderr(Stdio::null())
             .spawn()
             .expect("start mosquitto");
+        let pid = child.id();
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "mosquitto did not listen on {}",
-                self.port
-            );
+        loop {
+            if let Some(Ok(Some(_))) = self.child.as_mut().map(Child::try_wait) {
+                // It could not bind the port.
+                return false;
+            }
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+                && listener_owned_by(pid, self.port) != Some(false)
+            {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -448,7 +504,7 @@ impl Broker {
             extra,
             persistence: true,
         };
-        b.spawn();
+        b.spawn_fresh();
         (b, ca_pem)
     }
 
