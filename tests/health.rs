@@ -26,10 +26,11 @@ fn consumer(broker: &Broker, db: &Path, client_id: &str) -> Consumer {
 
 /// Connects once so the broker holds a persistent, subscribed session for `client_id`.
 fn prime(broker: &Broker, db: &Path, client_id: &str) {
-    let s = consumer(broker, db, client_id)
-        .exit_when_idle(Duration::from_millis(300))
-        .run(inventory_handler)
-        .unwrap();
+    let s = common::until_connected(|| {
+        consumer(broker, db, client_id)
+            .exit_when_idle(Duration::from_millis(300))
+            .run(inventory_handler)
+    });
     assert!(s.connections >= 1, "never connected: {s:?}");
 }
 

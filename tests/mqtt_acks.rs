@@ -40,10 +40,11 @@ fn consumer(db: &Path, mqtt: MqttConfig) -> Consumer {
 /// Connects once and stops at once, so the broker holds a persistent, subscribed session.
 fn prime(db: &Path, mqtt: MqttConfig) {
     init_log();
-    let mut c = consumer(db, mqtt).exit_when_idle(Duration::from_millis(300));
-    let s = c
-        .run(|_: &mut edge_inbox::Tx<'_>, _: &edge_inbox::Delivery<'_>| Ok(()))
-        .unwrap();
+    let s = common::until_connected(|| {
+        consumer(db, mqtt.clone())
+            .exit_when_idle(Duration::from_millis(300))
+            .run(|_: &mut edge_inbox::Tx<'_>, _: &edge_inbox::Delivery<'_>| Ok(()))
+    });
     assert!(s.connections >= 1, "never connected: {s:?}");
 }
 

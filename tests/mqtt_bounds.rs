@@ -80,10 +80,11 @@ fn garbage_of_8_mib_without_an_id_grows_neither_memory_nor_the_database() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inbox.db");
     // A persistent, subscribed session first.
-    consumer(broker.port, &db, "inv-garbage", Config::default())
-        .exit_when_idle(Duration::from_millis(300))
-        .run(inventory_handler)
-        .unwrap();
+    common::until_connected(|| {
+        consumer(broker.port, &db, "inv-garbage", Config::default())
+            .exit_when_idle(Duration::from_millis(300))
+            .run(inventory_handler)
+    });
     let size_before = db_bytes(&db);
 
     let garbage: Vec<u8> = (0..8u32 << 20)
@@ -164,10 +165,11 @@ fn a_storage_error_that_persists_ends_the_run_with_it_and_acks_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inbox.db");
     let config = Config::default().busy_timeout(Duration::from_millis(100));
-    consumer(broker.port, &db, "inv-busy", config.clone())
-        .exit_when_idle(Duration::from_millis(300))
-        .run(inventory_handler)
-        .unwrap();
+    common::until_connected(|| {
+        consumer(broker.port, &db, "inv-busy", config.clone())
+            .exit_when_idle(Duration::from_millis(300))
+            .run(inventory_handler)
+    });
     publish_v5(
         broker.port,
         &[Msg::new(

@@ -117,10 +117,11 @@ fn kill9_consumer_at_random_moments_loses_and_doubles_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inbox.db");
     // A persistent, subscribed session exists before anything is published.
-    let s = consumer(broker.port, &db)
-        .exit_when_idle(Duration::from_millis(300))
-        .run(inventory_handler)
-        .unwrap();
+    let s = common::until_connected(|| {
+        consumer(broker.port, &db)
+            .exit_when_idle(Duration::from_millis(300))
+            .run(inventory_handler)
+    });
     assert!(s.connections >= 1);
 
     // Distinct events: orders created, a third of them later cancelled; then a quarter of all events repeated.
@@ -215,10 +216,11 @@ fn kill9_while_a_pipelined_commit_is_in_flight_loses_and_doubles_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inbox.db");
     let marker = dir.path().join("in-flight");
-    let s = consumer(broker.port, &db)
-        .exit_when_idle(Duration::from_millis(300))
-        .run(inventory_handler)
-        .unwrap();
+    let s = common::until_connected(|| {
+        consumer(broker.port, &db)
+            .exit_when_idle(Duration::from_millis(300))
+            .run(inventory_handler)
+    });
     assert!(s.connections >= 1);
 
     let event = |i: u32, id: &str| {

@@ -184,10 +184,11 @@ fn kill9_between_commit_publish_and_puback_loses_and_doubles_nothing() {
 
     // Persistent sessions for the consumer under test and the downstream consumer exist before anything is
     // published; the raw subscriber stays connected throughout.
-    consumer(port, &db)
-        .exit_when_idle(Duration::from_millis(300))
-        .run(reserve)
-        .unwrap();
+    common::until_connected(|| {
+        consumer(port, &db)
+            .exit_when_idle(Duration::from_millis(300))
+            .run(reserve)
+    });
     let downstream_consumer = || {
         let inbox = Inbox::open(&down_db, Config::default()).unwrap();
         let mqtt = MqttConfig::new("127.0.0.1", port, "outbox-downstream")
@@ -201,10 +202,11 @@ fn kill9_between_commit_publish_and_puback_loses_and_doubles_nothing() {
         tx.put(&key, &(n + 1))?;
         Ok(())
     };
-    downstream_consumer()
-        .exit_when_idle(Duration::from_millis(300))
-        .run(apply)
-        .unwrap();
+    common::until_connected(|| {
+        downstream_consumer()
+            .exit_when_idle(Duration::from_millis(300))
+            .run(apply)
+    });
     let mut downstream = downstream_consumer();
     let downstream_stop = downstream.stop_handle();
     let downstream_thread = std::thread::spawn(move || downstream.run(apply).unwrap());

@@ -214,3 +214,20 @@ impl Latch {
         }
     }
 }
+
+/// Runs `run`, a consumer's run that sets up a broker session and ends once idle for a short limit, until it
+/// connected: on a busy machine the first connection may not be up within that limit, which ends the run
+/// with an error and no connection. Other errors fail the test.
+#[cfg(feature = "mqtt")]
+pub fn until_connected(
+    mut run: impl FnMut() -> edge_inbox::Result<edge_inbox::RunSummary>,
+) -> edge_inbox::RunSummary {
+    for attempt in 1.. {
+        match run() {
+            Ok(s) => return s,
+            Err(e) if attempt < 5 && e.to_string().contains("no connection to the broker") => {}
+            Err(e) => panic!("setting up the session: {e}"),
+        }
+    }
+    unreachable!()
+}
