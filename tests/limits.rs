@@ -3,6 +3,8 @@
 
 #[cfg(feature = "mqtt")]
 mod broker;
+#[cfg(feature = "mqtt")]
+mod common;
 
 use edge_inbox::{Config, Delivery, Error, Inbox, InvalidDelivery, Limits, Outcome, Tx};
 

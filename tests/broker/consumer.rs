@@ -30,23 +30,14 @@ pub fn init_log() {
 }
 
 /// Connects once so the broker holds a persistent, subscribed session for `client_id`.
-///
-/// The run ends once idle for 300 ms; on a busy machine the first connection may not be up by then (the run
-/// then ends with an error and no connection), so that case is tried again, a few times.
 pub fn prime(broker: &Broker, db: &Path, client_id: &str, protocol: Protocol) {
     init_log();
-    for attempt in 1..=5 {
-        let mut c = consumer(broker, db, client_id, protocol, Config::default())
-            .exit_when_idle(Duration::from_millis(300));
-        match c.run(inventory_handler) {
-            Ok(s) => {
-                assert!(s.connections >= 1, "never connected: {s:?}");
-                return;
-            }
-            Err(e) if attempt < 5 && e.to_string().contains("no connection to the broker") => {}
-            Err(e) => panic!("priming {client_id}: {e}"),
-        }
-    }
+    let s = crate::common::until_connected(|| {
+        consumer(broker, db, client_id, protocol, Config::default())
+            .exit_when_idle(Duration::from_millis(300))
+            .run(inventory_handler)
+    });
+    assert!(s.connections >= 1, "never connected: {s:?}");
 }
 
 pub fn drain(broker: &Broker, db: &Path, client_id: &str, protocol: Protocol) -> RunSummary {
