@@ -360,6 +360,15 @@ fn fsyncs(dir: &Path, samples: usize) -> anyhow::Result<Vec<Duration>> {
     Ok(out)
 }
 
+/// A level of the report: 0 is saturation, then the loads of [`LOADS`].
+fn level_label(level: usize) -> String {
+    if level == 0 {
+        "saturation".to_string()
+    } else {
+        format!("{:.0}%", LOADS[level - 1] * 100.0)
+    }
+}
+
 fn pct(v: &mut [Duration], p: f64) -> Duration {
     v.sort_unstable();
     v[((v.len() - 1) as f64 * p).round() as usize]
@@ -469,13 +478,11 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
         "bare, PUBACK on receipt",
     ];
     for level in 0..=LOADS.len() {
-        let (label, rate) = if level == 0 {
-            ("saturation".to_string(), String::from("unpaced"))
+        let label = level_label(level);
+        let rate = if level == 0 {
+            String::from("unpaced")
         } else {
-            (
-                format!("{:.0}%", LOADS[level - 1] * 100.0),
-                format!("{:.0}", median(offered[level - 1].clone())),
-            )
+            format!("{:.0}", median(offered[level - 1].clone()))
         };
         for k in 0..2 {
             let v = &mut lat[k][level];
@@ -517,11 +524,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
         "The inbox's own syncs of its WAL (every connection's, simulated delay included), p50 / p99 ms:",
     );
     for (level, v) in wal_syncs.iter_mut().enumerate() {
-        let label = if level == 0 {
-            "saturation".to_string()
-        } else {
-            format!("{:.0}%", LOADS[level - 1] * 100.0)
-        };
+        let label = level_label(level);
         if v.is_empty() {
             line += &format!(" {label} none;");
         } else {
