@@ -11,6 +11,9 @@
 //! The same disk then loses a sync of the database file, the catch-up's: the WAL is then the only copy of
 //! those pages on the disk, so it must not start over (neither by the commits that follow nor at the
 //! inbox's close), and a power cut must lose no acknowledged delivery.
+//!
+//! And the acks of the commit that waits for the catch-up leave on the catch-up's sync of the WAL, without
+//! one of the sync thread's: every PUBACK is checked against what the disk holds at the instant it leaves.
 
 #![cfg(feature = "mqtt")]
 
@@ -53,11 +56,16 @@ struct File {
     /// write succeeds.
     pending: Vec<(u64, u64, Option<Vec<u8>>)>,
     writes: u64,
+    /// Writes at offset 0: in a WAL, its header, written when the WAL (re)starts.
+    header_writes: usize,
 }
 
 impl File {
     fn push(&mut self, off: u64, data: Option<Vec<u8>>) {
         self.writes += 1;
+        if off == 0 && data.is_some() {
+            self.header_writes += 1;
+        }
         self.pending.push((self.writes, off, data));
     }
 }
@@ -70,6 +78,8 @@ struct Disk {
     unbacked: Mutex<Vec<String>>,
     /// Pages the checkpoint thread wrote into the database file (the test saw checkpoints at all).
     copied: AtomicUsize,
+    /// Successful syncs: what the disk holds changes only with them.
+    syncs: AtomicUsize,
 }
 
 /// Whether the WAL image `wal` holds a frame of page `page` with exactly `data`.
@@ -173,6 +183,7 @@ impl wrap_vfs::Observer for Arc<Disk> {
             for (_, off, data) in done {
                 common::apply_write(&mut f.durable, off, data.as_deref());
             }
+            self.syncs.fetch_add(1, Ordering::SeqCst);
         }
         rc
     }
@@ -288,6 +299,140 @@ fn checkpoints_copy_only_frames_the_disk_holds_while_commits_overlap_their_syncs
         unbacked.len(),
         &unbacked[..unbacked.len().min(10)]
     );
+}
+
+/// Sends no PUBACK: checks, at the instant each would leave, that the files as the disk holds them then
+/// hold its delivery (packet id `i + 1` for message `m-{i}`), as a power cut at that instant would leave
+/// them.
+struct DurableAcks {
+    disk: Arc<Disk>,
+    dir: std::path::PathBuf,
+    /// The files as the disk held them at its latest sync, open: (syncs then, their directory, connection).
+    image: Mutex<Option<(usize, tempfile::TempDir, edge_inbox::rusqlite::Connection)>>,
+    /// (packet id, whether the disk held its delivery when it left).
+    sent: Arc<Mutex<Vec<(u16, bool)>>>,
+}
+
+impl edge_inbox::PubAckSender for DurableAcks {
+    fn try_puback(&self, packet_id: u16) -> bool {
+        let id = format!("m-{}", packet_id - 1);
+        let mut image = self.image.lock().unwrap();
+        // Taken again only when a sync changed what the disk holds: a copy per PUBACK would slow the loop.
+        let syncs = self.disk.syncs.load(Ordering::SeqCst);
+        if image.as_ref().is_none_or(|(at, _, _)| *at != syncs) {
+            *image = None;
+            *image = Some(disk_image(&self.disk, &self.dir, syncs));
+        }
+        let (_, _, conn) = image.as_ref().unwrap();
+        let held = conn
+            .query_row("SELECT count(*) FROM kv WHERE key = ?1", [&id], |r| {
+                r.get::<_, i64>(0)
+            })
+            .unwrap()
+            == 1;
+        self.sent.lock().unwrap().push((packet_id, held));
+        true
+    }
+}
+
+/// The files under `dir` as the disk holds them now, copied to a directory of their own and opened
+/// (SQLite recovers the WAL as after a power cut). `syncs`: the disk's count of syncs, read before.
+fn disk_image(
+    disk: &Disk,
+    dir: &std::path::Path,
+    syncs: usize,
+) -> (usize, tempfile::TempDir, edge_inbox::rusqlite::Connection) {
+    let cut = tempfile::tempdir().unwrap();
+    for f in disk.files.lock().unwrap().iter() {
+        if let Some(rest) = f.name.strip_prefix(dir.to_str().unwrap()) {
+            let name = std::path::Path::new(rest).file_name().unwrap();
+            std::fs::write(cut.path().join(name), &f.durable).unwrap();
+        }
+    }
+    let conn = edge_inbox::rusqlite::Connection::open(cut.path().join("inbox.db")).unwrap();
+    (syncs, cut, conn)
+}
+
+/// The commit that waits for the checkpoint thread's catch-up is durable once the catch-up's sync of the
+/// WAL, which began after that commit's frames, has succeeded; its PUBACKs leave then, without a sync of
+/// the sync thread. Every PUBACK is checked at the instant it leaves, with catch-ups every few batches (a
+/// small threshold). Fails when an ack leaves before a sync that began after its commit succeeded.
+#[test]
+fn every_puback_is_on_the_disk_when_it_leaves_also_behind_a_catch_up() {
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
+    let disk = disk();
+    let dir = tempfile::tempdir().unwrap();
+    *disk.dir.lock().unwrap() = Some(dir.path().to_str().unwrap().to_owned());
+    let _switches = Switches::clear();
+    SLOW.store(true, Ordering::SeqCst);
+    let path = dir.path().join("inbox.db");
+    let config = Config::default().vfs(VFS).wal_autocheckpoint(16);
+    let inbox = Inbox::open(&path, config).unwrap();
+    let core = ConsumerCore::new(inbox, SCOPE).overlap_syncs(SyncOverlap::On);
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let acks = DurableAcks {
+        disk: disk.clone(),
+        dir: dir.path().to_owned(),
+        image: Mutex::new(None),
+        sent: sent.clone(),
+    };
+    let (mut feed, commits) = core.spawn(bump, acks, 64).unwrap();
+    feed.connected(true).unwrap();
+    // Until the WAL has started over a few times (each time behind a commit that waited for a catch-up),
+    // bounded in deliveries and in time.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut n = 0;
+    while n < 20_000 && std::time::Instant::now() < deadline {
+        let id = format!("m-{n}");
+        let inbound =
+            Inbound::new("orders/1", id.clone().into_bytes()).with_user_property("message-id", &id);
+        feed.publish(inbound, Some((n + 1) as u16)).unwrap();
+        n += 1;
+        if n % 8 == 0 {
+            std::thread::sleep(Duration::from_millis(2));
+            if n >= 200 && wal_starts(&disk, dir.path()) >= 8 {
+                break;
+            }
+        }
+    }
+    wait_until("every PUBACK", || sent.lock().unwrap().len() >= n);
+    commits.stop();
+    let (core, result) = commits.join();
+    let summary = result.unwrap();
+    assert_eq!(summary.processed, n as u64, "{summary:?}");
+    drop(feed);
+    drop(core);
+    SLOW.store(false, Ordering::SeqCst);
+    *disk.dir.lock().unwrap() = None;
+    let wal_starts = wal_starts(&disk, dir.path());
+    assert!(
+        wal_starts >= 8,
+        "the WAL started over {wal_starts} times: too few catch-ups to test"
+    );
+    let early: Vec<u16> = sent
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, held)| !held)
+        .map(|&(p, _)| p)
+        .collect();
+    assert!(
+        early.is_empty(),
+        "{} of {n} PUBACKs left before the disk held their delivery (packet ids {:?})",
+        early.len(),
+        &early[..early.len().min(10)]
+    );
+}
+
+/// Times the WAL of the inbox in `dir` started over (its header written again).
+fn wal_starts(disk: &Disk, dir: &std::path::Path) -> usize {
+    let wal = dir.join("inbox.db-wal");
+    disk.files
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|f| std::path::Path::new(&f.name) == wal)
+        .map_or(0, |f| f.header_writes.saturating_sub(1))
 }
 
 fn deliver(inbox: &mut Inbox, i: usize) -> edge_inbox::Result<edge_inbox::Outcome> {

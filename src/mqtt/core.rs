@@ -483,11 +483,18 @@ impl ConsumerCore {
         batch.clear();
         self.batch = batch;
         let overlapped = self.pipeline.as_ref().is_some_and(Pipeline::overlapping);
+        let synced_by_catch_up = self.inbox.conn.wear.take_synced_by_catch_up();
         // Whatever was decided is committed, even when the batch then gave up; durable once synced.
         match &mut self.pipeline {
             Some(p) if overlapped => {
                 p.commit_took(n, began.elapsed());
-                let request = p.request();
+                // The commit that waited for the checkpoint's catch-up needs no sync of its own: the next
+                // batch then commits at once, instead of behind a sync that would flush nothing of it.
+                let request = if synced_by_catch_up {
+                    p.request_synced()
+                } else {
+                    p.request()
+                };
                 self.health.hold(request);
             }
             // Synced by its commit, but behind acks or events still waiting for the sync thread.

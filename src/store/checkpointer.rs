@@ -25,7 +25,9 @@
 //! holding no lock, while the thread *catches up*: a round without the paced write-back, which with that
 //! writer waiting copies every frame left. The next write then starts the WAL over. That wait, once per
 //! threshold of WAL, is what is left in a commit of the checkpoint's cost: two syncs and the copy of a few
-//! frames, against two syncs and the copy of a whole threshold's pages inside the commit.
+//! frames, against two syncs and the copy of a whole threshold's pages inside the commit. The catch-up's
+//! sync of the WAL begins after the waiting commit's frames were written, so it makes that commit durable:
+//! a commit loop that overlaps its commits with their syncs acks it then, without a sync of its own.
 //!
 //! Every round and catch-up syncs the WAL before it copies, even at `synchronous=FULL`: a commit loop that
 //! overlaps its commits with their syncs commits at NORMAL, as other connections may, and leaves frames in
@@ -106,6 +108,9 @@ pub(crate) struct Shared {
 struct Wake {
     due: bool,
     restart: bool,
+    /// The answered catch-up synced the WAL (before it copied): the frames of the commit that asked for
+    /// it, and of every commit before, are on the disk.
+    wal_synced: bool,
     stop: bool,
 }
 
@@ -115,10 +120,12 @@ struct Wake {
 const RESTART_HANDSHAKE: Duration = Duration::from_millis(250);
 
 impl Shared {
-    /// The thread is done with a catch-up it was asked for (made, failed or skipped): the waiting commit goes on.
-    fn answer_restart(&self) {
+    /// The thread is done with a catch-up it was asked for (made, failed or skipped): the waiting commit goes
+    /// on. `wal_synced`: the catch-up's sync of the WAL, which began after it was asked, succeeded.
+    fn answer_restart(&self, wal_synced: bool) {
         let mut w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
         w.restart = false;
+        w.wal_synced = wal_synced;
         self.hurry.store(false, Ordering::Relaxed);
         self.restarted.notify_all();
     }
@@ -139,7 +146,11 @@ impl Shared {
     /// writer that never pauses would always add frames after its snapshot. A catch-up that fails (another
     /// writer, a reader that kept the WAL from starting over) is asked for again only after `threshold`
     /// more frames.
-    pub(crate) fn after_commit(&self, frames: i64, restarted: bool, threshold: i64) {
+    ///
+    /// True when this commit waited for a catch-up whose sync of the WAL succeeded: that sync began after
+    /// the commit's frames were written, so this commit and every one before it on the connection are
+    /// durable, as a sync of the commit's own would have made them.
+    pub(crate) fn after_commit(&self, frames: i64, restarted: bool, threshold: i64) -> bool {
         self.frames.store(frames, Ordering::Relaxed);
         let restart_at = self.restart_at.load(Ordering::Relaxed);
         if restarted || restart_at == 0 {
@@ -151,10 +162,11 @@ impl Shared {
             let mut w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
             if w.restart {
                 // Asked before and not answered: the thread is still in a checkpoint (a slow sync).
-                return;
+                return false;
             }
             w.due = true;
             w.restart = true;
+            w.wal_synced = false;
             self.hurry.store(true, Ordering::Relaxed);
             self.cv.notify_all();
             let deadline = Instant::now() + RESTART_HANDSHAKE;
@@ -164,7 +176,7 @@ impl Shared {
                     log::debug!(
                         "the checkpoint thread did not catch up with the WAL in {RESTART_HANDSHAKE:?}"
                     );
-                    break;
+                    return false;
                 }
                 w = self
                     .restarted
@@ -172,16 +184,18 @@ impl Shared {
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
             }
-            return;
+            // Answered (not stopped): the answer is this request's, the only one outstanding.
+            return !w.restart && w.wal_synced;
         }
         if frames - self.backfilled.load(Ordering::Relaxed) < threshold
             || self.requested.swap(true, Ordering::AcqRel)
         {
-            return;
+            return false;
         }
         let mut w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
         w.due = true;
         self.cv.notify_all();
+        false
     }
 
     fn take_io_error(&self) -> Option<i32> {
@@ -310,6 +324,8 @@ struct Copy {
     done: i64,
     /// The sync of the database file failed after the copy: see the module's doc.
     database_unsynced: bool,
+    /// The sync of the WAL before the copy succeeded.
+    wal_synced: bool,
 }
 
 impl Copy {
@@ -319,6 +335,7 @@ impl Copy {
             log: 0,
             done: 0,
             database_unsynced: false,
+            wal_synced: false,
         }
     }
 }
@@ -366,13 +383,13 @@ impl Thread {
             {
                 shared.requested.store(false, Ordering::Release);
                 if restart {
-                    shared.answer_restart();
+                    shared.answer_restart(false);
                 }
                 continue;
             }
             if restart {
-                self.catch_up_and_count(shared);
-                shared.answer_restart();
+                let c = self.catch_up_and_count(shared);
+                shared.answer_restart(c.wal_synced);
                 continue;
             }
             let generation = shared.generation.load(Ordering::Acquire);
@@ -410,7 +427,7 @@ impl Thread {
 
     /// A catch-up, its figures stored as a round's; a catch-up that did not leave everything copied is
     /// asked for again only `threshold` frames later.
-    fn catch_up_and_count(&mut self, shared: &Shared) {
+    fn catch_up_and_count(&mut self, shared: &Shared) -> Copy {
         let generation = shared.generation.load(Ordering::Acquire);
         let c = self.counted(shared, generation, Thread::catch_up);
         if shared.generation.load(Ordering::Acquire) == generation {
@@ -420,6 +437,7 @@ impl Thread {
                 Ordering::Relaxed,
             );
         }
+        c
     }
 
     /// Runs `f` (a round or a catch-up) and records what it did: its I/O error for the committing
@@ -508,11 +526,17 @@ impl Thread {
         // its commits with their syncs commits at NORMAL, and so may another connection, so the frames up
         // to the pin may not be on the disk yet; a page copied from one of them could reach the database
         // file first.
-        if let Err(e) = sync_wal(&self.conn) {
-            let _ = self.pin.execute_batch("ROLLBACK");
-            return Copy::failed(code_of_store(&e));
-        }
-        let c = self.copy();
+        let wal_synced = match sync_wal(&self.conn) {
+            Ok(synced) => synced,
+            Err(e) => {
+                let _ = self.pin.execute_batch("ROLLBACK");
+                return Copy::failed(code_of_store(&e));
+            }
+        };
+        let c = Copy {
+            wal_synced,
+            ..self.copy()
+        };
         if c.rc == ffi::SQLITE_OK && c.done > 0 {
             if let Some(hurry) = write_back {
                 self.write_back.run(hurry);
@@ -542,6 +566,7 @@ impl Thread {
             log,
             done,
             database_unsynced: false,
+            wal_synced: false,
         }
     }
 

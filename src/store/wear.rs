@@ -55,6 +55,9 @@ pub(crate) struct Wear {
     checkpoints: Cell<u64>,
     /// The I/O error a checkpoint on this connection met (its sync of the WAL, say), not yet taken.
     io_error: Cell<Option<i32>>,
+    /// The latest commit that wrote frames waited for the checkpoint thread's catch-up, whose sync of the
+    /// WAL began after those frames and succeeded (see [`Shared::after_commit`]).
+    synced_by_catch_up: Cell<bool>,
     /// The checkpoint thread the hook asks instead of checkpointing itself ([`Config::checkpoint_thread`]).
     ///
     /// [`Config::checkpoint_thread`]: crate::Config::checkpoint_thread
@@ -179,6 +182,13 @@ impl Wear {
         self.io_error.take()
     }
 
+    /// Whether the latest commit that wrote frames was made durable by the checkpoint thread's catch-up it
+    /// waited for (with every commit of the connection before it); cleared by the call.
+    #[cfg(feature = "mqtt")]
+    pub(crate) fn take_synced_by_catch_up(&self) -> bool {
+        self.synced_by_catch_up.take()
+    }
+
     /// Checkpoints this connection ran (automatic ones in its commits, and [`Wear::checkpoint`]).
     pub(crate) fn checkpoints(&self) -> u64 {
         self.checkpoints.get()
@@ -286,7 +296,8 @@ unsafe extern "C" fn on_commit(
     }
     wear.frames_in_wal.set(frames);
     let copied = if let Some(b) = wear.background.as_ref().filter(|_| wear.autocheckpoint > 0) {
-        b.after_commit(frames, restarted, wear.autocheckpoint);
+        wear.synced_by_catch_up
+            .set(b.after_commit(frames, restarted, wear.autocheckpoint));
         0
     } else if wear.autocheckpoint > 0 && frames >= wear.autocheckpoint {
         match wear.checkpoint_counted(db, name, ffi::SQLITE_CHECKPOINT_PASSIVE) {
