@@ -182,6 +182,13 @@ impl Wear {
         self.io_error.take()
     }
 
+    /// Forgets what the latest commit's hook said about the catch-up: at the start of every write
+    /// transaction, so that a commit whose hook did not run as ours (a handler that installed its own WAL
+    /// hook) is never taken for one the catch-up made durable.
+    pub(crate) fn forget_catch_up(&self) {
+        self.synced_by_catch_up.set(false);
+    }
+
     /// Whether the latest commit that wrote frames was made durable by the checkpoint thread's catch-up it
     /// waited for (with every commit of the connection before it); cleared by the call.
     #[cfg(feature = "mqtt")]
