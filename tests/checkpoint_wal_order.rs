@@ -227,6 +227,28 @@ impl Drop for Switches {
     }
 }
 
+/// A consumer core overlapping its commits with their syncs, on a new inbox in `dir` seen by the disk, with
+/// slow syncs and a small threshold: rounds and catch-ups every few batches.
+fn slow_overlapping_core(disk: &Disk, dir: &std::path::Path) -> ConsumerCore {
+    *disk.dir.lock().unwrap() = Some(dir.to_str().unwrap().to_owned());
+    SLOW.store(true, Ordering::SeqCst);
+    let config = Config::default().vfs(VFS).wal_autocheckpoint(16);
+    let inbox = Inbox::open(dir.join("inbox.db"), config).unwrap();
+    ConsumerCore::new(inbox, SCOPE).overlap_syncs(SyncOverlap::On)
+}
+
+/// Stops the commit loop once every PUBACK left, checks it processed `n` deliveries, closes its inbox and
+/// ends the slow syncs.
+fn stop_loop(commits: edge_inbox::CommitThread, feed: edge_inbox::Feed, n: usize) {
+    commits.stop();
+    let (core, result) = commits.join();
+    let summary = result.unwrap();
+    assert_eq!(summary.processed, n as u64, "{summary:?}");
+    drop(feed);
+    drop(core);
+    SLOW.store(false, Ordering::SeqCst);
+}
+
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while !f() {
@@ -257,16 +279,10 @@ fn checkpoints_copy_only_frames_the_disk_holds_while_commits_overlap_their_syncs
     let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
     let disk = disk();
     let dir = tempfile::tempdir().unwrap();
-    *disk.dir.lock().unwrap() = Some(dir.path().to_str().unwrap().to_owned());
     disk.unbacked.lock().unwrap().clear();
     disk.copied.store(0, Ordering::SeqCst);
     let _switches = Switches::clear();
-    SLOW.store(true, Ordering::SeqCst);
-    let path = dir.path().join("inbox.db");
-    // A small threshold: rounds and catch-ups every few batches.
-    let config = Config::default().vfs(VFS).wal_autocheckpoint(16);
-    let inbox = Inbox::open(&path, config).unwrap();
-    let core = ConsumerCore::new(inbox, SCOPE).overlap_syncs(SyncOverlap::On);
+    let core = slow_overlapping_core(&disk, dir.path());
     let sent = common::SentAcks::default();
     let (mut feed, commits) = core.spawn(bump, sent.clone(), 64).unwrap();
     feed.connected(true).unwrap();
@@ -283,13 +299,7 @@ fn checkpoints_copy_only_frames_the_disk_holds_while_commits_overlap_their_syncs
         }
     }
     sent.wait_for(n);
-    commits.stop();
-    let (core, result) = commits.join();
-    let summary = result.unwrap();
-    assert_eq!(summary.processed, n as u64, "{summary:?}");
-    drop(feed);
-    drop(core);
-    SLOW.store(false, Ordering::SeqCst);
+    stop_loop(commits, feed, n);
     let copied = disk.copied.load(Ordering::SeqCst);
     assert!(copied > 0, "the checkpoint thread copied no page");
     let unbacked = disk.unbacked.lock().unwrap().clone();
@@ -365,13 +375,8 @@ fn every_puback_is_on_the_disk_when_it_leaves_also_behind_a_catch_up() {
     let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
     let disk = disk();
     let dir = tempfile::tempdir().unwrap();
-    *disk.dir.lock().unwrap() = Some(dir.path().to_str().unwrap().to_owned());
     let _switches = Switches::clear();
-    SLOW.store(true, Ordering::SeqCst);
-    let path = dir.path().join("inbox.db");
-    let config = Config::default().vfs(VFS).wal_autocheckpoint(16);
-    let inbox = Inbox::open(&path, config).unwrap();
-    let core = ConsumerCore::new(inbox, SCOPE).overlap_syncs(SyncOverlap::On);
+    let core = slow_overlapping_core(&disk, dir.path());
     let sent = Arc::new(Mutex::new(Vec::new()));
     let acks = DurableAcks {
         disk: disk.clone(),
@@ -404,13 +409,7 @@ fn every_puback_is_on_the_disk_when_it_leaves_also_behind_a_catch_up() {
         }
     }
     wait_until("every PUBACK", || sent.lock().unwrap().len() >= n);
-    commits.stop();
-    let (core, result) = commits.join();
-    let summary = result.unwrap();
-    assert_eq!(summary.processed, n as u64, "{summary:?}");
-    drop(feed);
-    drop(core);
-    SLOW.store(false, Ordering::SeqCst);
+    stop_loop(commits, feed, n);
     *disk.dir.lock().unwrap() = None;
     let wal_starts = wal_starts(&disk, dir.path());
     assert!(
