@@ -112,6 +112,10 @@ fn main() -> anyhow::Result<()> {
                 // Again at every connect: a kept session may lack a filter added since.
                 client.try_subscribe(commands.as_str(), QoS::AtLeastOnce)?;
             }
+            Ok(Ok(Event::Incoming(Incoming::SubAck(ack)))) => {
+                device::granted(&ack, &commands)?;
+                let _ = feed.subscribed();
+            }
             Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => {
                 if stopping_since.is_some() {
                     continue; // not committed by this run: the broker redelivers it

@@ -130,6 +130,10 @@ async fn main() -> anyhow::Result<()> {
                 // Again at every connect: a kept session may lack a filter added since.
                 client.try_subscribe(commands.as_str(), QoS::AtLeastOnce)?;
             }
+            Ok(Event::Incoming(Incoming::SubAck(ack))) => {
+                device::granted(&ack, &commands)?;
+                let _ = feed.subscribed().await;
+            }
             Ok(Event::Incoming(Incoming::Publish(p))) => {
                 if stopping.load(Ordering::SeqCst) {
                     continue; // not committed by this run: the broker redelivers it

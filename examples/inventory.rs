@@ -53,7 +53,8 @@
 //!
 //! Under systemd (`Type=notify`: `NOTIFY_SOCKET` set, a path or an `@abstract` name) `run` reports its state
 //! by sd_notify(3), written by hand over a Unix datagram socket (the library itself never notifies):
-//! `STATUS=connecting to HOST:PORT` at start, `READY=1` once the first connection to the broker is up, a
+//! `STATUS=connecting to HOST:PORT` at start, `READY=1` once the broker acknowledged the subscription on the
+//! first connection (a message published from then on reaches this consumer), a
 //! `STATUS=` line with the connection and the run's counts when they change (at most once a second),
 //! `WATCHDOG=1` every half `WATCHDOG_USEC` (when `WATCHDOG_PID` is unset or names this process) only if the
 //! consumer's commit loop turned since the last one and the workers and the relay still run, and
@@ -553,7 +554,8 @@ struct Health<'a> {
 }
 
 impl Health<'_> {
-    /// Tells systemd, while the consumer runs: `READY=1` once the first connection is up; `WATCHDOG=1` at
+    /// Tells systemd, while the consumer runs: `READY=1` once the broker acknowledged the first connection's
+    /// subscription (before it, a message published may match no subscription and be dropped); `WATCHDOG=1` at
     /// half the watchdog timeout, only if the consumer's commit loop turned since the last one (it turns at
     /// least every 100 ms unless stuck in a commit or a handler) and the workers and the relay still run; a
     /// `STATUS=` line when the state changes (at most once a second); `STOPPING=1` as soon as a stop is
@@ -571,7 +573,7 @@ impl Health<'_> {
                 stopping = true;
                 n.notify("STOPPING=1\nSTATUS=stopping: committing and acking the batch in flight");
             }
-            if !ready && now.connection.is_some() {
+            if !ready && now.subscribed {
                 ready = true;
                 n.notify("READY=1");
             }
@@ -579,9 +581,10 @@ impl Health<'_> {
                 _ if stopping => None,
                 Some(c) => {
                     let s = now.summary;
+                    let subscribed = if now.subscribed { "" } else { ", subscribing" };
                     Some(format!(
-                        "connected to {broker} ({c:?}): received {}, processed {}, duplicates {}, conflicts {}, \
-                         quarantined {}, stored {}, dead-lettered {}",
+                        "connected to {broker} ({c:?}{subscribed}): received {}, processed {}, duplicates {}, \
+                         conflicts {}, quarantined {}, stored {}, dead-lettered {}",
                         s.received, s.processed, s.duplicates, s.conflicts, s.quarantined, s.stored,
                         s.dead_lettered
                     ))

@@ -257,6 +257,87 @@ fn statistics_read_from_another_thread_change_while_the_run_goes_on() {
 }
 
 #[test]
+fn the_subscription_is_reported_once_acknowledged_and_a_message_published_then_arrives() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let mut c = consumer(&broker, &db, "health-subscribed");
+    let events = c.events(256);
+    let stats = c.stats();
+    let stop = c.stop_handle();
+    assert!(!stats.snapshot().subscribed);
+    std::thread::scope(|scope| {
+        let run = scope.spawn(|| c.run(inventory_handler));
+        let _stop_on_panic = StopOnDrop(stop.clone());
+        let next = || {
+            events
+                .recv_timeout(Duration::from_secs(60))
+                .expect("an event in time")
+        };
+        // A new client id on a new broker: no kept session holds a subscription before ours is made.
+        let first = match next() {
+            HealthEvent::Connected {
+                connection,
+                session_present,
+            } => {
+                assert!(!session_present);
+                connection
+            }
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(next(), HealthEvent::Subscribed { connection: first });
+        wait_stats(&stats, "subscribed", |s| {
+            s.subscribed && s.connection == Some(first)
+        });
+        // Published once: from now on the broker has a subscription to route it to.
+        publish_v5(
+            broker.port,
+            &[Msg::new(
+                "orders/1",
+                Some("subscribed-1"),
+                order(1, "S-1", 1, "created"),
+            )],
+        );
+        match next() {
+            HealthEvent::Delivery {
+                connection,
+                message_id,
+                outcome,
+                ..
+            } => {
+                assert_eq!(connection, first);
+                assert_eq!(message_id.as_deref(), Some("subscribed-1"));
+                assert_eq!(outcome, Settled::Processed);
+            }
+            other => panic!("{other:?}"),
+        }
+        stop.stop();
+        let s = run.join().unwrap().unwrap();
+        assert_eq!(s.processed, 1, "{s:?}");
+        let end = stats.snapshot();
+        assert!(!end.subscribed && end.connection.is_none(), "{end:?}");
+    });
+}
+
+#[test]
+fn an_invalid_topic_filter_is_refused_before_connecting() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    // Nothing listens on this port: the error must come before any attempt to connect.
+    let mqtt = MqttConfig::new("127.0.0.1", broker::free_port(), "health-bad-filter")
+        .subscribe("orders/#")
+        .subscribe("orders/#/late");
+    let mut c = Consumer::new(inbox, SCOPE, mqtt);
+    match c.run(inventory_handler) {
+        Err(edge_inbox::Error::InvalidArgument(why)) => {
+            assert!(why.contains("\"orders/#/late\""), "{why}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.stats().snapshot().summary.connections, 0);
+}
+
+#[test]
 fn a_broker_that_dies_gives_a_lost_event_with_its_cause_then_a_new_connection() {
     let mut broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();
@@ -277,6 +358,7 @@ fn a_broker_that_dies_gives_a_lost_event_with_its_cause_then_a_new_connection() 
             HealthEvent::Connected { connection, .. } => connection,
             other => panic!("{other:?}"),
         };
+        assert_eq!(next(), HealthEvent::Subscribed { connection: first });
         match broker.kind {
             Kind::Mosquitto => {
                 broker.kill();
@@ -298,8 +380,10 @@ fn a_broker_that_dies_gives_a_lost_event_with_its_cause_then_a_new_connection() 
             other => panic!("{other:?}"),
         };
         assert_ne!(second, first);
+        // Subscribed again on the new connection, whatever the broker kept of the session.
+        assert_eq!(next(), HealthEvent::Subscribed { connection: second });
         wait_stats(&stats, "the second connection", |s| {
-            s.connection == Some(second) && s.last_lost_cause.is_some()
+            s.connection == Some(second) && s.subscribed && s.last_lost_cause.is_some()
         });
         // Deliveries on the new connection are tagged with it. (Published again until one arrives: the
         // broker may have lost the session with its subscription, which the consumer makes again.)

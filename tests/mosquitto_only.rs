@@ -35,6 +35,10 @@ fn main() {
             consumer::storage_errors_ack_nothing_and_the_batch_is_retried_until_it_commits,
         ),
         (
+            "consumer::a_subscription_granted_only_at_qos0_ends_the_run_with_an_error",
+            consumer::a_subscription_granted_only_at_qos0_ends_the_run_with_an_error,
+        ),
+        (
             "relay::rows_wait_while_the_broker_is_away_and_drain_in_order_when_it_returns",
             relay::rows_wait_while_the_broker_is_away_and_drain_in_order_when_it_returns,
         ),

@@ -1,10 +1,12 @@
 //! What the two firmware examples (`firmware.rs`, sync; `firmware_tokio.rs`, on tokio) share: the device's
-//! command line and the command handler that runs inside the inbox's transaction.
+//! command line, the command handler that runs inside the inbox's transaction, and the check of the SUBACK.
 
 use std::time::Duration;
 
 use clap::Parser;
 use edge_inbox::{Delivery, Tx};
+use rumqttc::v5::mqttbytes::v5::{SubAck, SubscribeReasonCode};
+use rumqttc::v5::mqttbytes::QoS;
 
 #[derive(Parser, Debug)]
 pub struct Args {
@@ -32,6 +34,16 @@ pub const SCOPE: &str = "firmware-commands";
 
 /// Receive Maximum: the broker sends at most this many unacked commands.
 pub const WINDOW: u16 = 20;
+
+/// The SUBACK of the commands' subscription (the only SUBSCRIBE of a connection): Ok when the broker
+/// granted it at QoS1 or above. A refusal, or a grant at QoS0 (commands never acked nor redelivered), is an
+/// error: no retry changes the broker's answer.
+pub fn granted(ack: &SubAck, filter: &str) -> anyhow::Result<()> {
+    match ack.return_codes.as_slice() {
+        [SubscribeReasonCode::Success(QoS::AtLeastOnce | QoS::ExactlyOnce)] => Ok(()),
+        other => anyhow::bail!("the broker did not grant {filter:?} at QoS1: {other:?}"),
+    }
+}
 
 pub fn apply(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
     let cmd: serde_json::Value = serde_json::from_slice(d.payload)?;

@@ -103,6 +103,11 @@ impl AsyncFeed {
         id.ok_or(FeedClosed)
     }
 
+    /// [`Feed::subscribed`]: the broker acknowledged the current connection's subscriptions.
+    pub async fn subscribed(&mut self) -> std::result::Result<(), FeedClosed> {
+        self.hand(|f| f.subscribed().map(|()| None)).await.map(drop)
+    }
+
     /// [`Feed::publish`]: a publish for the inbox on the current connection (`packet_id`: `None` for QoS0).
     pub async fn publish(
         &mut self,

@@ -103,7 +103,10 @@ impl MqttConfig {
         self
     }
 
-    /// Adds a topic filter, subscribed at QoS1.
+    /// Adds a topic filter, subscribed at QoS1 on every connection. The broker must grant it at QoS1 or
+    /// above, or [`Consumer::run`](crate::Consumer::run) ends with an error; once it has,
+    /// [`ConsumerStats::subscribed`](crate::ConsumerStats::subscribed) is true. Without any filter the
+    /// consumer subscribes to nothing and takes what the broker's kept session delivers.
     pub fn subscribe(mut self, filter: impl Into<String>) -> Self {
         self.topics.push(filter.into());
         self
@@ -470,6 +473,65 @@ fn after_error(
     true
 }
 
+/// Each topic filter a SUBACK did not grant at QoS1 or above, said for the log; empty when all were.
+fn not_granted<C>(
+    topics: &[String],
+    codes: &[C],
+    granted: impl Fn(&C) -> Result<(), String>,
+) -> Vec<String> {
+    let mut refused: Vec<String> = topics
+        .iter()
+        .zip(codes)
+        .filter_map(|(t, c)| granted(c).err().map(|why| format!("{t:?} {why}")))
+        .collect();
+    if codes.len() != topics.len() {
+        refused.push(format!(
+            "the SUBACK answered {} of {} filters",
+            codes.len(),
+            topics.len()
+        ));
+    }
+    refused
+}
+
+fn granted_v4(code: &rumqttc::SubscribeReasonCode) -> Result<(), String> {
+    match code {
+        rumqttc::SubscribeReasonCode::Success(QoS::AtMostOnce) => {
+            Err("granted at QoS0 only".into())
+        }
+        rumqttc::SubscribeReasonCode::Success(_) => Ok(()),
+        rumqttc::SubscribeReasonCode::Failure => Err("refused".into()),
+    }
+}
+
+fn granted_v5(code: &p5::SubscribeReasonCode) -> Result<(), String> {
+    match code {
+        p5::SubscribeReasonCode::Success(Q5::AtMostOnce) => Err("granted at QoS0 only".into()),
+        p5::SubscribeReasonCode::Success(_) => Ok(()),
+        other => Err(format!("refused ({other:?})")),
+    }
+}
+
+/// A SUBACK arrived: tells the feed when it granted every filter. Otherwise the run ends: a filter refused,
+/// or granted only at QoS0 (deliveries never acked nor redelivered, outside the guarantee), delivers nothing
+/// the inbox can vouch for, and reconnecting does not change the broker's answer. False to end the poll
+/// thread.
+fn subscription_answered(feed: &mut Feed, refused: Vec<String>, reason: Option<&str>) -> bool {
+    if refused.is_empty() {
+        return feed.subscribed().is_ok();
+    }
+    let mut why = format!(
+        "the broker did not grant the subscription at QoS1: {}",
+        refused.join("; ")
+    );
+    if let Some(reason) = reason {
+        why.push_str(&format!(" (reason: {reason})"));
+    }
+    log::error!("{why}");
+    let _ = feed.fail(Error::Connection(why));
+    false
+}
+
 fn poll_v4(
     mut conn: rumqttc::Connection,
     client: rumqttc::Client,
@@ -509,8 +571,19 @@ fn poll_v4(
                 let filters = topics
                     .iter()
                     .map(|t| rumqttc::SubscribeFilter::new(t.clone(), QoS::AtLeastOnce));
-                if let Err(e) = client.try_subscribe_many(filters) {
+                if topics.is_empty() {
+                    // Nothing to wait for: the deliveries come from the kept session's subscriptions.
+                    if feed.subscribed().is_err() {
+                        return;
+                    }
+                } else if let Err(e) = client.try_subscribe_many(filters) {
                     log::error!("could not queue the subscription: {e}");
+                }
+            }
+            Ok(E::Incoming(Packet::SubAck(ack))) => {
+                let refused = not_granted(&topics, &ack.return_codes, granted_v4);
+                if !subscription_answered(&mut feed, refused, None) {
+                    return;
                 }
             }
             Ok(E::Incoming(Packet::Publish(p))) => {
@@ -597,8 +670,23 @@ fn poll_v5(
                 let filters = topics
                     .iter()
                     .map(|t| p5::Filter::new(t.clone(), Q5::AtLeastOnce));
-                if let Err(e) = client.try_subscribe_many(filters) {
+                if topics.is_empty() {
+                    // Nothing to wait for: the deliveries come from the kept session's subscriptions.
+                    if feed.subscribed().is_err() {
+                        return;
+                    }
+                } else if let Err(e) = client.try_subscribe_many(filters) {
                     log::error!("could not queue the subscription: {e}");
+                }
+            }
+            Ok(E::Incoming(Packet::SubAck(ack))) => {
+                let refused = not_granted(&topics, &ack.return_codes, granted_v5);
+                let reason = ack
+                    .properties
+                    .as_ref()
+                    .and_then(|p| p.reason_string.as_deref());
+                if !subscription_answered(&mut feed, refused, reason) {
+                    return;
                 }
             }
             Ok(E::Incoming(Packet::Publish(p))) => {
@@ -641,5 +729,49 @@ fn poll_v5(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topics() -> Vec<String> {
+        vec!["orders/#".to_owned(), "stock/+".to_owned()]
+    }
+
+    #[test]
+    fn a_suback_that_grants_qos1_or_2_to_every_filter_refuses_nothing() {
+        use rumqttc::SubscribeReasonCode as C;
+        let codes = [C::Success(QoS::AtLeastOnce), C::Success(QoS::ExactlyOnce)];
+        assert!(not_granted(&topics(), &codes, granted_v4).is_empty());
+    }
+
+    #[test]
+    fn a_refused_or_qos0_filter_is_named_in_both_protocols() {
+        use rumqttc::SubscribeReasonCode as C;
+        let v4 = not_granted(
+            &topics(),
+            &[C::Success(QoS::AtMostOnce), C::Failure],
+            granted_v4,
+        );
+        assert_eq!(
+            v4,
+            ["\"orders/#\" granted at QoS0 only", "\"stock/+\" refused"]
+        );
+        use p5::SubscribeReasonCode as C5;
+        let v5 = not_granted(
+            &topics(),
+            &[C5::Success(Q5::AtLeastOnce), C5::NotAuthorized],
+            granted_v5,
+        );
+        assert_eq!(v5, ["\"stock/+\" refused (NotAuthorized)"]);
+    }
+
+    #[test]
+    fn a_suback_with_fewer_codes_than_filters_is_not_a_grant() {
+        use rumqttc::SubscribeReasonCode as C;
+        let refused = not_granted(&topics(), &[C::Success(QoS::AtLeastOnce)], granted_v4);
+        assert_eq!(refused, ["the SUBACK answered 1 of 2 filters"]);
     }
 }

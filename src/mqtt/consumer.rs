@@ -209,9 +209,16 @@ impl Consumer {
     /// Connection trouble is retried with backoff once a connection has succeeded, storage errors too
     /// (for at most [`Consumer::storage_retry_limit`]). `Err` when the poll thread cannot be started, when
     /// the first connection fails in a way retrying cannot heal (the broker refuses the credentials or the
-    /// client id, TLS material that does not parse or a certificate the other side rejects), when an idle
-    /// limit passes without any connection, or when storage keeps failing.
+    /// client id, TLS material that does not parse or a certificate the other side rejects), when a topic
+    /// filter is not valid MQTT ([`Error::InvalidArgument`], before connecting), when the broker refuses a
+    /// subscription or grants it only at QoS0 ([`Error::Connection`]: such deliveries are never acked nor
+    /// redelivered), when an idle limit passes without any connection, or when storage keeps failing.
     pub fn run<H: Handler>(&mut self, mut handler: H) -> Result<RunSummary> {
+        if let Some(bad) = self.mqtt.topics.iter().find(|t| !rumqttc::valid_filter(t)) {
+            return Err(Error::InvalidArgument(format!(
+                "{bad:?} is not a valid MQTT topic filter"
+            )));
+        }
         let mut mqtt = self.mqtt.clone();
         if !mqtt.inflight_set {
             mqtt.inflight =

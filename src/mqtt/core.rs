@@ -341,6 +341,17 @@ impl ConsumerCore {
         self.publish_stats();
     }
 
+    /// The broker acknowledged `connection`'s subscriptions (its SUBACK granted every filter at QoS1 or
+    /// above): [`ConsumerStats::subscribed`](crate::ConsumerStats::subscribed) is true and a
+    /// [`HealthEvent::Subscribed`](crate::HealthEvent::Subscribed) is sent, until the connection ends.
+    /// Ignored for a connection that is not the current one.
+    pub fn subscribed(&mut self, connection: ConnectionId) {
+        if self.connection == Some(connection) {
+            self.health.subscribed(connection);
+            self.publish_stats();
+        }
+    }
+
     /// `connection` ended: what is held from it is dropped unacked, acks not yet taken are discarded.
     pub fn connection_lost(&mut self, connection: ConnectionId) {
         self.connection_lost_because(connection, None);

@@ -24,6 +24,9 @@ pub(crate) enum Event {
         connection: ConnectionId,
         cause: Option<String>,
     },
+    Subscribed {
+        connection: ConnectionId,
+    },
     Publish {
         connection: ConnectionId,
         inbound: Inbound,
@@ -114,6 +117,16 @@ impl Feed {
             session_present,
         })?;
         Ok(self.current)
+    }
+
+    /// The broker acknowledged the current connection's subscriptions: a SUBACK (rumqttc
+    /// `Incoming::SubAck`) whose return codes all grant QoS1 or above. Read them first: a filter refused, or
+    /// granted only at QoS0, delivers nothing the inbox can ack. Sets
+    /// [`ConsumerStats::subscribed`](crate::ConsumerStats::subscribed) until the connection ends.
+    pub fn subscribed(&mut self) -> std::result::Result<(), FeedClosed> {
+        self.send(Event::Subscribed {
+            connection: self.current,
+        })
     }
 
     /// Why the connection ended, for the next [`Feed::lost`] (or `lost_v5`, `lost_v311`) to carry in its
@@ -433,6 +446,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                     self.core.connection_lost_because(connection, cause);
                     self.release_settled();
                 }
+                Event::Subscribed { connection } => self.core.subscribed(connection),
                 Event::Publish {
                     connection,
                     inbound,
@@ -518,6 +532,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                     Event::Lost { connection, cause } => {
                         self.core.connection_lost_because(connection, cause)
                     }
+                    Event::Subscribed { connection } => self.core.subscribed(connection),
                     Event::PassThrough { .. } | Event::Synced | Event::Closed => {}
                     Event::Failed(e) => failed = Some(e),
                 }

@@ -55,6 +55,14 @@ pub enum HealthEvent {
         /// learnt of the next connection first, "the run ended" at the end of a `Consumer::run`.
         cause: Option<String>,
     },
+    /// The broker acknowledged the connection's subscriptions: its SUBACK granted every topic filter at
+    /// QoS1 or above. Deliveries published from now on reach this consumer; those published between the
+    /// [`HealthEvent::Connected`] and this event may not (a broker drops a message no subscription matches,
+    /// unless a kept session held the subscriptions already).
+    Subscribed {
+        /// The connection whose subscriptions are in place.
+        connection: ConnectionId,
+    },
     /// A delivery's fate, sent once the commit (or rollback, for a failed attempt) that decided it is
     /// durable (it returned, or with [overlapping syncs](crate::SyncOverlap) a sync covered it), but not
     /// yet acked (its PUBACK follows; a redelivery after a reconnect is then a
@@ -116,6 +124,10 @@ pub struct ConsumerStats {
     pub summary: RunSummary,
     /// The connection deliveries are taken from now; `None` between connections.
     pub connection: Option<ConnectionId>,
+    /// True once the broker acknowledged the current connection's subscriptions
+    /// ([`HealthEvent::Subscribed`]), until that connection ends. What a service should wait for before it
+    /// reports itself ready: a message published while it is false may match no subscription yet.
+    pub subscribed: bool,
     /// The cause of the latest connection loss, if one was given.
     pub last_lost_cause: Option<String>,
     /// Deliveries received and not yet committed.
@@ -175,6 +187,8 @@ pub(crate) struct Health {
     /// a batch allocates nothing once the queue has grown.
     held: VecDeque<(u64, HealthEvent)>,
     last_lost_cause: Option<String>,
+    /// The current connection's subscriptions are acknowledged.
+    subscribed: bool,
 }
 
 impl Health {
@@ -187,6 +201,7 @@ impl Health {
             batch: Vec::new(),
             held: VecDeque::new(),
             last_lost_cause: None,
+            subscribed: false,
         }
     }
 
@@ -217,6 +232,7 @@ impl Health {
     }
 
     pub(crate) fn connected(&mut self, connection: ConnectionId, session_present: bool) {
+        self.subscribed = false;
         self.send(HealthEvent::Connected {
             connection,
             session_present,
@@ -224,8 +240,14 @@ impl Health {
     }
 
     pub(crate) fn lost(&mut self, connection: ConnectionId, cause: Option<String>) {
+        self.subscribed = false;
         self.last_lost_cause.clone_from(&cause);
         self.send(HealthEvent::ConnectionLost { connection, cause });
+    }
+
+    pub(crate) fn subscribed(&mut self, connection: ConnectionId) {
+        self.subscribed = true;
+        self.send(HealthEvent::Subscribed { connection });
     }
 
     /// Notes the fate of the delivery being settled ([`Health::ticket`]); sent by [`Health::flush`].
@@ -304,6 +326,7 @@ impl Health {
         };
         s.summary = *summary;
         s.connection = connection;
+        s.subscribed = self.subscribed && connection.is_some();
         s.unsettled = unsettled;
         s.last_lost_cause.clone_from(&self.last_lost_cause);
     }
@@ -318,6 +341,7 @@ impl Health {
         let mut s = self.shared.lock();
         s.summary = *summary;
         s.connection = connection;
+        s.subscribed = self.subscribed && connection.is_some();
         s.unsettled = unsettled;
         s.last_lost_cause.clone_from(&self.last_lost_cause);
     }
@@ -335,6 +359,7 @@ impl Health {
         let mut s = self.shared.lock();
         s.summary = *summary;
         s.connection = None;
+        s.subscribed = false;
         s.unsettled = 0;
         s.last_lost_cause.clone_from(&self.last_lost_cause);
     }

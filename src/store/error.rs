@@ -137,7 +137,8 @@ pub enum Error {
     /// An argument given to the inbox is invalid (e.g. an empty scope name in a query).
     InvalidArgument(String),
     /// The MQTT connection cannot succeed by retrying (the broker refused the credentials or the client id,
-    /// TLS material that does not parse or a certificate rejected), or never succeeded in time.
+    /// TLS material that does not parse or a certificate rejected, a subscription refused or granted only
+    /// at QoS0), or never succeeded in time.
     Connection(String),
     /// The inbox's transaction ended while a handler ran: the handler ran `COMMIT` or `ROLLBACK` through
     /// [`Tx::sql`](crate::Tx::sql), or SQLite rolled it back by itself (a trigger's `RAISE(ROLLBACK)`,

@@ -1,10 +1,10 @@
 //! The consumer on mosquitto specifically: its `mosquitto_pub` client, its log of the packets it sends, and a
 //! restart with persistence.
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::broker::consumer::{consumer, drain, order, prime, SCOPE};
 use crate::broker::{inventory_handler, publish_v5, reserved, Broker, Msg};
-use edge_inbox::{Config, Inbox, Protocol};
+use edge_inbox::{Config, Error, HealthEvent, Inbox, Protocol};
 
 pub fn mosquitto_pub_v5_duplicates_conflicts_and_missing_ids_are_counted_and_acked() {
     let broker = Broker::mosquitto();
@@ -255,4 +255,58 @@ pub fn storage_errors_ack_nothing_and_the_batch_is_retried_until_it_commits() {
     );
     assert_eq!(reserved(&db, SCOPE, "G-7"), i64::from(n));
     assert_eq!(drain(&broker, &db, "inv-busy", Protocol::V5).received, 0);
+}
+
+/// mosquitto's `max_qos 0` grants every subscription at QoS0: deliveries the inbox could never ack, which
+/// the broker would never redeliver. The run ends with an error naming the filter, in both protocols, and
+/// the subscription is never reported as in place.
+pub fn a_subscription_granted_only_at_qos0_ends_the_run_with_an_error() {
+    let broker = Broker::start_with_options("max_qos 0");
+    let dir = tempfile::tempdir().unwrap();
+    for protocol in [Protocol::V5, Protocol::V311] {
+        let db = dir.path().join(format!("{protocol:?}.db"));
+        let mut c = consumer(
+            &broker,
+            &db,
+            &format!("qos0-{protocol:?}"),
+            protocol,
+            Config::default(),
+        );
+        let events = c.events(64);
+        let stats = c.stats();
+        let stop = c.stop_handle();
+        let (result, ever_subscribed) = std::thread::scope(|s| {
+            let run = s.spawn(|| c.run(inventory_handler));
+            let mut ever_subscribed = false;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !run.is_finished() && Instant::now() < deadline {
+                ever_subscribed |= stats.snapshot().subscribed;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // Bounded: a run that did not end by itself is stopped, and the assertion below fails.
+            stop.stop();
+            (run.join().unwrap(), ever_subscribed)
+        });
+        match result {
+            Err(Error::Connection(why)) => {
+                assert!(
+                    why.contains("\"orders/#\" granted at QoS0 only"),
+                    "{protocol:?}: {why}"
+                );
+            }
+            other => panic!("{protocol:?}: expected a connection error, got {other:?}"),
+        }
+        assert!(!ever_subscribed, "{protocol:?}");
+        let seen: Vec<HealthEvent> = std::iter::from_fn(|| events.try_recv()).collect();
+        assert!(
+            matches!(seen.first(), Some(HealthEvent::Connected { .. })),
+            "{protocol:?}: {seen:?}"
+        );
+        assert!(
+            !seen
+                .iter()
+                .any(|e| matches!(e, HealthEvent::Subscribed { .. })),
+            "{protocol:?}: {seen:?}"
+        );
+    }
 }
