@@ -89,6 +89,7 @@ fn main() -> anyhow::Result<()> {
     let mut backoff = Duration::from_millis(100);
     let mut stopping_since: Option<Instant> = None;
     let mut disconnect_queued = false;
+    let mut refused = None;
     loop {
         if stopping_since.is_none() && (stop.load(Ordering::Relaxed) || commits.is_finished()) {
             // The commit thread finishes its batch and queues the acks; the DISCONNECT goes behind them.
@@ -113,8 +114,17 @@ fn main() -> anyhow::Result<()> {
                 client.try_subscribe(commands.as_str(), QoS::AtLeastOnce)?;
             }
             Ok(Ok(Event::Incoming(Incoming::SubAck(ack)))) => {
-                device::granted(&ack, &commands)?;
-                let _ = feed.subscribed();
+                match device::granted(&ack, &commands) {
+                    Ok(()) => {
+                        let _ = feed.subscribed();
+                    }
+                    // Stopped like a SIGTERM: the batch in flight is committed and acked first.
+                    Err(e) => {
+                        log::error!("{e:#}: stopping");
+                        refused.get_or_insert(e);
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                }
             }
             Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => {
                 if stopping_since.is_some() {
@@ -146,6 +156,9 @@ fn main() -> anyhow::Result<()> {
     let _ = publisher.join();
     let (_core, result) = commits.join();
     let summary = result?;
+    if let Some(e) = refused {
+        return Err(e);
+    }
     println!(
         r#"{{"processed":{},"duplicates":{},"telemetry":{}}}"#,
         summary.processed,

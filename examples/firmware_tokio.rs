@@ -71,15 +71,18 @@ async fn main() -> anyhow::Result<()> {
     // SIGTERM/SIGINT the commit thread finishes its batch and queues their acks (`join_until`), and only
     // then is the DISCONNECT queued, behind them. An idle exit of the commit thread ends the same way.
     let stopping = Arc::new(AtomicBool::new(false));
+    // Also stopped when the broker refuses the commands' subscription (a permit kept until awaited).
+    let refused_stop = Arc::new(tokio::sync::Notify::new());
     let mut sigterm = signal(SignalKind::terminate())?;
     let mut sigint = signal(SignalKind::interrupt())?;
     let shutdown = {
-        let (client, stopping) = (client.clone(), stopping.clone());
+        let (client, stopping, refused) = (client.clone(), stopping.clone(), refused_stop.clone());
         tokio::spawn(async move {
             let signalled = async {
                 tokio::select! {
                     _ = sigterm.recv() => log::info!("SIGTERM: stopping"),
                     _ = sigint.recv() => log::info!("SIGINT: stopping"),
+                    _ = refused.notified() => {}
                 }
             };
             let (_core, result) = commits.join_until(signalled).await;
@@ -112,6 +115,7 @@ async fn main() -> anyhow::Result<()> {
 
     let commands = format!("cmd/{}/#", args.device);
     let mut backoff = Duration::from_millis(100);
+    let mut refused = None;
     loop {
         let event = if shutdown.is_finished() {
             match tokio::time::timeout(Duration::from_secs(10), eventloop.poll()).await {
@@ -130,10 +134,17 @@ async fn main() -> anyhow::Result<()> {
                 // Again at every connect: a kept session may lack a filter added since.
                 client.try_subscribe(commands.as_str(), QoS::AtLeastOnce)?;
             }
-            Ok(Event::Incoming(Incoming::SubAck(ack))) => {
-                device::granted(&ack, &commands)?;
-                let _ = feed.subscribed().await;
-            }
+            Ok(Event::Incoming(Incoming::SubAck(ack))) => match device::granted(&ack, &commands) {
+                Ok(()) => {
+                    let _ = feed.subscribed().await;
+                }
+                // Stopped like a SIGTERM: the batch in flight is committed and acked first.
+                Err(e) => {
+                    log::error!("{e:#}: stopping");
+                    refused.get_or_insert(e);
+                    refused_stop.notify_one();
+                }
+            },
             Ok(Event::Incoming(Incoming::Publish(p))) => {
                 if stopping.load(Ordering::SeqCst) {
                     continue; // not committed by this run: the broker redelivers it
@@ -161,6 +172,9 @@ async fn main() -> anyhow::Result<()> {
     drop(feed);
     let _ = publisher.await;
     let summary = shutdown.await??;
+    if let Some(e) = refused {
+        return Err(e);
+    }
     println!(
         r#"{{"processed":{},"duplicates":{},"telemetry":{}}}"#,
         summary.processed,

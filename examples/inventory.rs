@@ -53,8 +53,8 @@
 //!
 //! Under systemd (`Type=notify`: `NOTIFY_SOCKET` set, a path or an `@abstract` name) `run` reports its state
 //! by sd_notify(3), written by hand over a Unix datagram socket (the library itself never notifies):
-//! `STATUS=connecting to HOST:PORT` at start, `READY=1` once the broker acknowledged the subscription on the
-//! first connection (a message published from then on reaches this consumer), a
+//! `STATUS=connecting to HOST:PORT` at start, `READY=1` once the broker first acknowledged its subscription
+//! (a message published from then on reaches this consumer), a
 //! `STATUS=` line with the connection and the run's counts when they change (at most once a second),
 //! `WATCHDOG=1` every half `WATCHDOG_USEC` (when `WATCHDOG_PID` is unset or names this process) only if the
 //! consumer's commit loop turned since the last one and the workers and the relay still run, and
@@ -554,8 +554,7 @@ struct Health<'a> {
 }
 
 impl Health<'_> {
-    /// Tells systemd, while the consumer runs: `READY=1` once the broker acknowledged the first connection's
-    /// subscription (before it, a message published may match no subscription and be dropped); `WATCHDOG=1` at
+    /// Tells systemd, while the consumer runs: `READY=1` once the broker first acknowledged its subscription (before it, a message published may match no subscription and be dropped); `WATCHDOG=1` at
     /// half the watchdog timeout, only if the consumer's commit loop turned since the last one (it turns at
     /// least every 100 ms unless stuck in a commit or a handler) and the workers and the relay still run; a
     /// `STATUS=` line when the state changes (at most once a second); `STOPPING=1` as soon as a stop is

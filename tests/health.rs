@@ -327,7 +327,8 @@ fn an_invalid_topic_filter_is_refused_before_connecting() {
     let mqtt = MqttConfig::new("127.0.0.1", broker::free_port(), "health-bad-filter")
         .subscribe("orders/#")
         .subscribe("orders/#/late");
-    let mut c = Consumer::new(inbox, SCOPE, mqtt);
+    // Bounded if the check regresses: the run would retry the refused port until idle, and fail otherwise.
+    let mut c = Consumer::new(inbox, SCOPE, mqtt).exit_when_idle(Duration::from_secs(5));
     match c.run(inventory_handler) {
         Err(edge_inbox::Error::InvalidArgument(why)) => {
             assert!(why.contains("\"orders/#/late\""), "{why}")

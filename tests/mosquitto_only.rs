@@ -39,6 +39,10 @@ fn main() {
             consumer::a_subscription_granted_only_at_qos0_ends_the_run_with_an_error,
         ),
         (
+            "consumer::a_refusal_after_a_grant_reconnects_until_the_broker_grants_again",
+            consumer::a_refusal_after_a_grant_reconnects_until_the_broker_grants_again,
+        ),
+        (
             "relay::rows_wait_while_the_broker_is_away_and_drain_in_order_when_it_returns",
             relay::rows_wait_while_the_broker_is_away_and_drain_in_order_when_it_returns,
         ),

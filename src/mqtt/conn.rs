@@ -104,7 +104,9 @@ impl MqttConfig {
     }
 
     /// Adds a topic filter, subscribed at QoS1 on every connection. The broker must grant it at QoS1 or
-    /// above, or [`Consumer::run`](crate::Consumer::run) ends with an error; once it has,
+    /// above: refused (or granted only at QoS0) before any grant in the run,
+    /// [`Consumer::run`](crate::Consumer::run) ends with an error; refused after one, the consumer connects
+    /// again with growing backoff. While it is granted,
     /// [`ConsumerStats::subscribed`](crate::ConsumerStats::subscribed) is true. Without any filter the
     /// consumer subscribes to nothing and takes what the broker's kept session delivers.
     pub fn subscribe(mut self, filter: impl Into<String>) -> Self {
@@ -512,24 +514,77 @@ fn granted_v5(code: &p5::SubscribeReasonCode) -> Result<(), String> {
     }
 }
 
-/// A SUBACK arrived: tells the feed when it granted every filter. Otherwise the run ends: a filter refused,
-/// or granted only at QoS0 (deliveries never acked nor redelivered, outside the guarantee), delivers nothing
-/// the inbox can vouch for, and reconnecting does not change the broker's answer. False to end the poll
-/// thread.
-fn subscription_answered(feed: &mut Feed, refused: Vec<String>, reason: Option<&str>) -> bool {
-    if refused.is_empty() {
-        return feed.subscribed().is_ok();
+/// What the poll thread knows of its subscriptions, across the connections of one run.
+#[derive(Debug, Default)]
+struct Subscriptions {
+    /// A SUBACK granted every filter in this run.
+    granted_once: bool,
+    /// The latest SUBACK did not: the backoff keeps growing across the reconnects that follow.
+    refused: bool,
+}
+
+/// What the poll thread does after a SUBACK.
+enum AfterSuback {
+    Go,
+    /// Drop the connection and make it again (with the backoff).
+    Reconnect,
+    /// End the poll thread: the run fails.
+    End,
+}
+
+impl Subscriptions {
+    /// A CONNACK arrived and no filter is configured: the deliveries can only come from the subscriptions
+    /// of a session the broker kept. False to end the poll thread.
+    fn without_filters(&mut self, feed: &mut Feed, session_present: bool) -> bool {
+        if !session_present {
+            log::warn!(
+                "no topic filter is configured and the broker kept no session: nothing will be delivered"
+            );
+            return true;
+        }
+        feed.subscribed().is_ok()
     }
-    let mut why = format!(
-        "the broker did not grant the subscription at QoS1: {}",
-        refused.join("; ")
-    );
-    if let Some(reason) = reason {
-        why.push_str(&format!(" (reason: {reason})"));
+
+    /// A SUBACK arrived, with the filters it did not grant at QoS1 or above (`refused`). All granted: the
+    /// feed is told. Otherwise, before any grant in this run, the run ends: the broker refuses this
+    /// configuration (a filter it denies, or grants only at QoS0, whose deliveries are never acked nor
+    /// redelivered, outside the guarantee), and a supervisor must see it. After a grant, the connection is
+    /// made again with growing backoff (a broker whose authorization backend is briefly away). While the
+    /// run is closing, nothing changes.
+    fn answered(
+        &mut self,
+        feed: &mut Feed,
+        closing: &AtomicBool,
+        refused: Vec<String>,
+        reason: Option<&str>,
+    ) -> AfterSuback {
+        if refused.is_empty() {
+            (self.granted_once, self.refused) = (true, false);
+            return match feed.subscribed() {
+                Ok(()) => AfterSuback::Go,
+                Err(_) => AfterSuback::End,
+            };
+        }
+        let mut why = format!(
+            "the broker did not grant the subscription at QoS1: {}",
+            refused.join("; ")
+        );
+        if let Some(reason) = reason {
+            why.push_str(&format!(" (reason: {reason})"));
+        }
+        if closing.load(Ordering::SeqCst) {
+            log::debug!("while stopping, {why}");
+            return AfterSuback::Go;
+        }
+        self.refused = true;
+        if self.granted_once {
+            log::error!("{why}; connecting again");
+            return AfterSuback::Reconnect;
+        }
+        log::error!("{why}");
+        let _ = feed.fail(Error::Connection(why));
+        AfterSuback::End
     }
-    log::error!("{why}");
-    let _ = feed.fail(Error::Connection(why));
-    false
 }
 
 fn poll_v4(
@@ -547,6 +602,7 @@ fn poll_v4(
     // The last connection ended over a packet too large to read: the broker sends it again at once, so
     // the backoff keeps growing across such connections instead of reconnecting ten times a second.
     let mut refused_oversize = false;
+    let mut subscriptions = Subscriptions::default();
     loop {
         let next = next_event(&mut stopping_since, &closing, |wait| match wait {
             None => conn.recv().ok(),
@@ -555,7 +611,7 @@ fn poll_v4(
         let Some(next) = next else { return };
         match next {
             Ok(E::Incoming(Packet::ConnAck(ack))) => {
-                if !refused_oversize {
+                if !refused_oversize && !subscriptions.refused {
                     backoff = FIRST_BACKOFF;
                 }
                 connected_once = true;
@@ -572,8 +628,7 @@ fn poll_v4(
                     .iter()
                     .map(|t| rumqttc::SubscribeFilter::new(t.clone(), QoS::AtLeastOnce));
                 if topics.is_empty() {
-                    // Nothing to wait for: the deliveries come from the kept session's subscriptions.
-                    if feed.subscribed().is_err() {
+                    if !subscriptions.without_filters(&mut feed, ack.session_present) {
                         return;
                     }
                 } else if let Err(e) = client.try_subscribe_many(filters) {
@@ -582,8 +637,15 @@ fn poll_v4(
             }
             Ok(E::Incoming(Packet::SubAck(ack))) => {
                 let refused = not_granted(&topics, &ack.return_codes, granted_v4);
-                if !subscription_answered(&mut feed, refused, None) {
-                    return;
+                match subscriptions.answered(&mut feed, &closing, refused, None) {
+                    AfterSuback::Go => {}
+                    // The broker closes the connection after our DISCONNECT: an error below, then the backoff.
+                    AfterSuback::Reconnect => {
+                        if let Err(e) = client.try_disconnect() {
+                            log::warn!("could not queue the DISCONNECT: {e}");
+                        }
+                    }
+                    AfterSuback::End => return,
                 }
             }
             Ok(E::Incoming(Packet::Publish(p))) => {
@@ -646,6 +708,7 @@ fn poll_v5(
     // The last connection ended over a packet too large to read: the broker sends it again at once, so
     // the backoff keeps growing across such connections instead of reconnecting ten times a second.
     let mut refused_oversize = false;
+    let mut subscriptions = Subscriptions::default();
     loop {
         let next = next_event(&mut stopping_since, &closing, |wait| match wait {
             None => conn.recv().ok(),
@@ -654,7 +717,7 @@ fn poll_v5(
         let Some(next) = next else { return };
         match next {
             Ok(E::Incoming(Packet::ConnAck(ack))) => {
-                if !refused_oversize {
+                if !refused_oversize && !subscriptions.refused {
                     backoff = FIRST_BACKOFF;
                 }
                 connected_once = true;
@@ -671,8 +734,7 @@ fn poll_v5(
                     .iter()
                     .map(|t| p5::Filter::new(t.clone(), Q5::AtLeastOnce));
                 if topics.is_empty() {
-                    // Nothing to wait for: the deliveries come from the kept session's subscriptions.
-                    if feed.subscribed().is_err() {
+                    if !subscriptions.without_filters(&mut feed, ack.session_present) {
                         return;
                     }
                 } else if let Err(e) = client.try_subscribe_many(filters) {
@@ -685,8 +747,15 @@ fn poll_v5(
                     .properties
                     .as_ref()
                     .and_then(|p| p.reason_string.as_deref());
-                if !subscription_answered(&mut feed, refused, reason) {
-                    return;
+                match subscriptions.answered(&mut feed, &closing, refused, reason) {
+                    AfterSuback::Go => {}
+                    // The broker closes the connection after our DISCONNECT: an error below, then the backoff.
+                    AfterSuback::Reconnect => {
+                        if let Err(e) = client.try_disconnect() {
+                            log::warn!("could not queue the DISCONNECT: {e}");
+                        }
+                    }
+                    AfterSuback::End => return,
                 }
             }
             Ok(E::Incoming(Packet::Publish(p))) => {

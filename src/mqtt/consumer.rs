@@ -211,8 +211,10 @@ impl Consumer {
     /// the first connection fails in a way retrying cannot heal (the broker refuses the credentials or the
     /// client id, TLS material that does not parse or a certificate the other side rejects), when a topic
     /// filter is not valid MQTT ([`Error::InvalidArgument`], before connecting), when the broker refuses a
-    /// subscription or grants it only at QoS0 ([`Error::Connection`]: such deliveries are never acked nor
-    /// redelivered), when an idle limit passes without any connection, or when storage keeps failing.
+    /// filter or grants it only at QoS0 before it granted the subscription once in this run
+    /// ([`Error::Connection`]: such deliveries are never acked nor redelivered; refused after a grant, the
+    /// consumer connects again), when an idle limit passes without any connection, or when storage keeps
+    /// failing.
     pub fn run<H: Handler>(&mut self, mut handler: H) -> Result<RunSummary> {
         if let Some(bad) = self.mqtt.topics.iter().find(|t| !rumqttc::valid_filter(t)) {
             return Err(Error::InvalidArgument(format!(

@@ -58,7 +58,8 @@ impl std::error::Error for FeedClosed {}
 
 /// The connection's side of a [`ConsumerCore`] that runs on a commit thread ([`ConsumerCore::spawn`]):
 /// owned by the code that polls the rumqttc event loop, which calls it for every CONNACK, every PUBLISH
-/// for the inbox and every connection error. It tags each delivery with the current connection and keeps
+/// for the inbox, every connection error, and the SUBACK that grants its subscriptions
+/// ([`Feed::subscribed`], for the health statistics only). It tags each delivery with the current connection and keeps
 /// the [`AckGate`] in step, so the commit thread never sends an ack on a newer connection.
 ///
 /// [`Feed::publish`] blocks while the deliveries handed over and not yet committed hold more than the memory

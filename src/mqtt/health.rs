@@ -56,9 +56,10 @@ pub enum HealthEvent {
         cause: Option<String>,
     },
     /// The broker acknowledged the connection's subscriptions: its SUBACK granted every topic filter at
-    /// QoS1 or above. Deliveries published from now on reach this consumer; those published between the
-    /// [`HealthEvent::Connected`] and this event may not (a broker drops a message no subscription matches,
-    /// unless a kept session held the subscriptions already).
+    /// QoS1 or above (or, with no filter configured, the broker kept the session that holds them). From now
+    /// on the broker routes matching messages to this connection (to one member of the group, for a
+    /// `$share/` filter); those published between the [`HealthEvent::Connected`] and this event may match
+    /// no subscription and be dropped, unless a kept session held the subscriptions already.
     Subscribed {
         /// The connection whose subscriptions are in place.
         connection: ConnectionId,
@@ -125,7 +126,8 @@ pub struct ConsumerStats {
     /// The connection deliveries are taken from now; `None` between connections.
     pub connection: Option<ConnectionId>,
     /// True once the broker acknowledged the current connection's subscriptions
-    /// ([`HealthEvent::Subscribed`]), until that connection ends. What a service should wait for before it
+    /// ([`HealthEvent::Subscribed`]), until that connection ends. On an own connection, only once the
+    /// application called [`Feed::subscribed`](crate::Feed::subscribed). What a service should wait for before it
     /// reports itself ready: a message published while it is false may match no subscription yet.
     pub subscribed: bool,
     /// The cause of the latest connection loss, if one was given.

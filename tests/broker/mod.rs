@@ -329,6 +329,14 @@ impl Broker {
         }
     }
 
+    /// Kills mosquitto and starts it again on the same port with `options` (mosquitto.conf lines) in place
+    /// of the extra options it had; its persistence file (sessions, queued deliveries) stays.
+    pub fn restart_with_options(&mut self, options: &str) {
+        self.kill();
+        self.extra = format!("{options}\n");
+        self.spawn();
+    }
+
     /// Starts the broker again on the same port (after [`Broker::kill`] or [`Broker::stop`]).
     pub fn start_again(&mut self) {
         self.spawn();

@@ -4,6 +4,7 @@ use std::time::{Duration, Instant};
 
 use crate::broker::consumer::{consumer, drain, order, prime, SCOPE};
 use crate::broker::{inventory_handler, publish_v5, reserved, Broker, Msg};
+use crate::common;
 use edge_inbox::{Config, Error, HealthEvent, Inbox, Protocol};
 
 pub fn mosquitto_pub_v5_duplicates_conflicts_and_missing_ids_are_counted_and_acked() {
@@ -308,5 +309,89 @@ pub fn a_subscription_granted_only_at_qos0_ends_the_run_with_an_error() {
                 .any(|e| matches!(e, HealthEvent::Subscribed { .. })),
             "{protocol:?}: {seen:?}"
         );
+    }
+}
+
+/// Once a run has been granted its subscription, a broker that later refuses it (here: restarted with
+/// `max_qos 0`) does not end the run: the consumer is not subscribed meanwhile, connects again with growing
+/// backoff, and is subscribed and consuming once the broker grants it again.
+pub fn a_refusal_after_a_grant_reconnects_until_the_broker_grants_again() {
+    let mut broker = Broker::mosquitto();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let mut c = consumer(
+        &broker,
+        &db,
+        "refused-later",
+        Protocol::V5,
+        Config::default(),
+    )
+    .exit_when_idle(Duration::from_secs(600));
+    let events = c.events(1024);
+    let stats = c.stats();
+    let stop = c.stop_handle();
+    std::thread::scope(|s| {
+        let run = s.spawn(|| c.run(inventory_handler));
+        // A failed assertion must not leave the scope waiting for a run that never ends.
+        let _stop_on_panic = StopOnDrop(&stop);
+        let wait = |what: &str, f: &dyn Fn(&edge_inbox::ConsumerStats) -> bool| {
+            let found = common::wait_for(Duration::from_secs(60), || {
+                f(&stats.snapshot()).then_some(())
+            });
+            assert!(found.is_some(), "{what}: {:?}", stats.snapshot());
+        };
+        wait("subscribed", &|s| s.subscribed);
+        broker.restart_with_options("max_qos 0");
+        // Refused at every reconnect for 4 s: the run goes on, never subscribed, and connects again.
+        let refused_since = Instant::now();
+        let connections_before = stats.snapshot().summary.connections;
+        let mut subscribed_meanwhile = false;
+        while refused_since.elapsed() < Duration::from_secs(4) {
+            let now = stats.snapshot();
+            // The first reconnect may still be on its way while the old connection's state is read.
+            subscribed_meanwhile |= now.subscribed && now.summary.connections > connections_before;
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let refused = stats.snapshot();
+        assert!(
+            !run.is_finished(),
+            "the run ended on a refusal after a grant"
+        );
+        assert!(!subscribed_meanwhile && !refused.subscribed, "{refused:?}");
+        let reconnects = refused.summary.connections - connections_before;
+        eprintln!("{reconnects} connections refused in 4 s");
+        // Backoff from 100 ms, doubling: 4 to 6 connections in 4 s; at least 3 shows it reconnects, and a
+        // bound shows the backoff grows.
+        assert!(
+            (3..=8).contains(&reconnects),
+            "{reconnects} connections in 4 s: {refused:?}"
+        );
+        broker.restart_with_options("");
+        wait("subscribed again", &|s| {
+            s.subscribed && s.summary.connections > refused.summary.connections
+        });
+        broker.publish_v5(
+            "orders/7",
+            Some("after-refusal"),
+            &order(7, "R-1", 1, "created"),
+        );
+        wait("processed", &|s| s.summary.processed == 1);
+        stop.stop();
+        let summary = run.join().unwrap().unwrap();
+        assert_eq!(summary.processed, 1, "{summary:?}");
+    });
+    let seen: Vec<HealthEvent> = std::iter::from_fn(|| events.try_recv()).collect();
+    let subscribed = seen
+        .iter()
+        .filter(|e| matches!(e, HealthEvent::Subscribed { .. }))
+        .count();
+    assert_eq!(subscribed, 2, "{seen:?}");
+}
+
+struct StopOnDrop<'a>(&'a edge_inbox::StopHandle);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop();
     }
 }
