@@ -389,8 +389,15 @@
 //!   [`Error::Connection`] naming the cause: the broker refusing the login or the client id (CONNACK
 //!   not authorized, bad user name or password, client id not valid, banned), TLS material that does not
 //!   parse, a certificate either side rejects (with TLS 1.3 a broker rejects a client certificate by an
-//!   alert after the handshake: unknown CA, certificate expired). Once a connection has succeeded, every failure is retried
-//!   with backoff. An idle-bounded run ([`Consumer::exit_when_idle`]) that never connected is an error too.
+//!   alert after the handshake: unknown CA, certificate expired), and a SUBACK that refuses a filter or
+//!   grants it only at QoS0 before the run was ever granted its subscription (deliveries at QoS0 are never
+//!   acked nor redelivered). A topic filter that is not valid MQTT is refused before connecting
+//!   ([`Error::InvalidArgument`]). Once a connection has succeeded, every failure is retried with backoff
+//!   (a refused subscription after a grant too: the consumer connects again). An idle-bounded run
+//!   ([`Consumer::exit_when_idle`]) that never connected is an error too.
+//! - **Subscribed.** [`ConsumerStats::subscribed`] (and [`HealthEvent::Subscribed`]) says when the broker
+//!   has acknowledged the subscriptions of the current connection: a message published before that may
+//!   match no subscription and be dropped by the broker. A service reports itself ready from then on.
 //! - **Stored deliveries.** A plain run on a file holding pending deliveries of a receive-only run logs
 //!   at start how many wait and that a [`Worker`] on the scope applies them (the plain run does not).
 //! - **Threads.** A poll thread owns the connection and only moves packets over a bounded channel (a
