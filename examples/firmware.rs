@@ -118,7 +118,8 @@ fn main() -> anyhow::Result<()> {
                     Ok(()) => {
                         let _ = feed.subscribed();
                     }
-                    // Stopped like a SIGTERM: the batch in flight is committed and acked first.
+                    // Stopped like a SIGTERM: the batch in flight is committed and acked first. (A device
+                    // whose broker refuses only for a while may reconnect later instead, as `Consumer` does.)
                     Err(e) => {
                         log::error!("{e:#}: stopping");
                         refused.get_or_insert(e);

@@ -554,8 +554,9 @@ struct Health<'a> {
 }
 
 impl Health<'_> {
-    /// Tells systemd, while the consumer runs: `READY=1` once the broker first acknowledged its subscription (before it, a message published may match no subscription and be dropped); `WATCHDOG=1` at
-    /// half the watchdog timeout, only if the consumer's commit loop turned since the last one (it turns at
+    /// Tells systemd, while the consumer runs: `READY=1` once the broker first acknowledged its subscription
+    /// (before it, a message published may match no subscription and be dropped); `WATCHDOG=1` at half the
+    /// watchdog timeout, only if the consumer's commit loop turned since the last one (it turns at
     /// least every 100 ms unless stuck in a commit or a handler) and the workers and the relay still run; a
     /// `STATUS=` line when the state changes (at most once a second); `STOPPING=1` as soon as a stop is
     /// asked (the batch in flight is then committed and acked), or when the consumer returned.

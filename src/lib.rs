@@ -577,8 +577,8 @@
 //! - [`Consumer::events`] / [`ConsumerCore::events`]: a bounded channel of [`HealthEvent`]s: `Connected`
 //!   (connection, session present), `Subscribed` (the broker acknowledged the connection's subscriptions at
 //!   QoS1: from then on a message published reaches the consumer; [`Feed::subscribed`] on an own
-//!   connection), `ConnectionLost` (connection, cause: rumqttc's error, or what the application gave
-//!   [`Feed::because`]), and one `Delivery` event per fate of a delivery (processed,
+//!   connection), `ConnectionLost` (connection, cause: rumqttc's error, a refused subscription, or what the
+//!   application gave [`Feed::because`]), and one `Delivery` event per fate of a delivery (processed,
 //!   duplicate, conflict, quarantined, stored, dead-lettered, each failed handler attempt; [`Settled`]) with
 //!   its scope, message id and connection. A channel, not a callback: a callback would run on the commit
 //!   thread, and a slow one (a blocked log sink, a metrics lock) would hold back every commit and PUBACK
@@ -588,7 +588,8 @@
 //!   durable (it returned, or with [overlapping syncs](SyncOverlap) a sync covered it); its PUBACK follows. A batch's events come in arrival order.
 //! - [`Consumer::stats`] / [`ConsumerCore::stats`]: a [`StatsHandle`] whose [`StatsHandle::snapshot`] gives,
 //!   from any thread while `run` runs, the run's [`RunSummary`] so far, the current connection and whether
-//!   its subscriptions are acknowledged ([`ConsumerStats::subscribed`]), the last loss's cause, the deliveries not yet committed, whether a commit loop runs and how often it turned
+//!   its subscriptions are acknowledged ([`ConsumerStats::subscribed`]), the last loss's cause, the
+//!   deliveries not yet committed, whether a commit loop runs and how often it turned
 //!   ([`ConsumerStats::turns`]: at least every 100 ms unless a commit or a handler is stuck; what a watchdog
 //!   should check). The commit thread updates it after each batch and loop turn, and skips an update rather
 //!   than wait for a reader that holds its lock.
@@ -624,8 +625,8 @@
 //! ```
 //!
 //! The library never talks to systemd; `examples/inventory.rs` shows readiness and a watchdog built on these
-//! handles (`READY=1` once the first connection's subscription is acknowledged, `WATCHDOG=1` only while [`ConsumerStats::turns`] grows), and
-//! the README a unit file.
+//! handles (`READY=1` once a subscription is first acknowledged, `WATCHDOG=1` only while
+//! [`ConsumerStats::turns`] grows), and the README a unit file.
 //!
 //! ## Consumer outbox: publishing from a handler
 //!

@@ -472,7 +472,8 @@ fn after_error(
     log::warn!("connection to the broker lost or refused: {shown}; retrying in {backoff:?}");
     nap(*backoff, closing);
     *backoff = backoff_next(*backoff);
-    true
+    // Asked to stop meanwhile: nothing is left to say on a new connection.
+    !closing.load(Ordering::SeqCst)
 }
 
 /// Each topic filter a SUBACK did not grant at QoS1 or above, said for the log; empty when all were.
@@ -526,8 +527,8 @@ struct Subscriptions {
 /// What the poll thread does after a SUBACK.
 enum AfterSuback {
     Go,
-    /// Drop the connection and make it again (with the backoff).
-    Reconnect,
+    /// Drop the connection, for the reason given, and make it again with the backoff.
+    Reconnect(String),
     /// End the poll thread: the run fails.
     End,
 }
@@ -557,8 +558,13 @@ impl Subscriptions {
         closing: &AtomicBool,
         refused: Vec<String>,
         reason: Option<&str>,
+        backoff: &mut Duration,
     ) -> AfterSuback {
         if refused.is_empty() {
+            if self.refused {
+                // The backoff grew over the refusals: the next ordinary loss starts from the first again.
+                *backoff = FIRST_BACKOFF;
+            }
             (self.granted_once, self.refused) = (true, false);
             return match feed.subscribed() {
                 Ok(()) => AfterSuback::Go,
@@ -579,7 +585,7 @@ impl Subscriptions {
         self.refused = true;
         if self.granted_once {
             log::error!("{why}; connecting again");
-            return AfterSuback::Reconnect;
+            return AfterSuback::Reconnect(why);
         }
         log::error!("{why}");
         let _ = feed.fail(Error::Connection(why));
@@ -637,12 +643,28 @@ fn poll_v4(
             }
             Ok(E::Incoming(Packet::SubAck(ack))) => {
                 let refused = not_granted(&topics, &ack.return_codes, granted_v4);
-                match subscriptions.answered(&mut feed, &closing, refused, None) {
+                match subscriptions.answered(&mut feed, &closing, refused, None, &mut backoff) {
                     AfterSuback::Go => {}
-                    // The broker closes the connection after our DISCONNECT: an error below, then the backoff.
-                    AfterSuback::Reconnect => {
-                        if let Err(e) = client.try_disconnect() {
-                            log::warn!("could not queue the DISCONNECT: {e}");
+                    // Closed here rather than by a DISCONNECT through the request channel, which may be
+                    // full, and which rumqttc would replay on the next connection if this one failed first.
+                    AfterSuback::Reconnect(why) => {
+                        if feed.because(&why).lost_v311(&mut conn.eventloop).is_err() {
+                            return;
+                        }
+                        let failure = Failure {
+                            permanent: None,
+                            oversize: None,
+                            shown: why,
+                        };
+                        if !after_error(
+                            &feed,
+                            &closing,
+                            connected_once,
+                            failure,
+                            max_packet,
+                            &mut backoff,
+                        ) {
+                            return;
                         }
                     }
                     AfterSuback::End => return,
@@ -747,12 +769,28 @@ fn poll_v5(
                     .properties
                     .as_ref()
                     .and_then(|p| p.reason_string.as_deref());
-                match subscriptions.answered(&mut feed, &closing, refused, reason) {
+                match subscriptions.answered(&mut feed, &closing, refused, reason, &mut backoff) {
                     AfterSuback::Go => {}
-                    // The broker closes the connection after our DISCONNECT: an error below, then the backoff.
-                    AfterSuback::Reconnect => {
-                        if let Err(e) = client.try_disconnect() {
-                            log::warn!("could not queue the DISCONNECT: {e}");
+                    // Closed here rather than by a DISCONNECT through the request channel, which may be
+                    // full, and which rumqttc would replay on the next connection if this one failed first.
+                    AfterSuback::Reconnect(why) => {
+                        if feed.because(&why).lost_v5(&mut conn.eventloop).is_err() {
+                            return;
+                        }
+                        let failure = Failure {
+                            permanent: None,
+                            oversize: None,
+                            shown: why,
+                        };
+                        if !after_error(
+                            &feed,
+                            &closing,
+                            connected_once,
+                            failure,
+                            max_packet,
+                            &mut backoff,
+                        ) {
+                            return;
                         }
                     }
                     AfterSuback::End => return,

@@ -59,8 +59,9 @@ impl std::error::Error for FeedClosed {}
 /// The connection's side of a [`ConsumerCore`] that runs on a commit thread ([`ConsumerCore::spawn`]):
 /// owned by the code that polls the rumqttc event loop, which calls it for every CONNACK, every PUBLISH
 /// for the inbox, every connection error, and the SUBACK that grants its subscriptions
-/// ([`Feed::subscribed`], for the health statistics only). It tags each delivery with the current connection and keeps
-/// the [`AckGate`] in step, so the commit thread never sends an ack on a newer connection.
+/// ([`Feed::subscribed`], for the health statistics only). It tags each delivery with the current
+/// connection and keeps the [`AckGate`] in step, so the commit thread never sends an ack on a newer
+/// connection.
 ///
 /// [`Feed::publish`] blocks while the deliveries handed over and not yet committed hold more than the memory
 /// budget ([`ConsumerCore::memory_budget`], 2 MiB by default; the `Consumer`'s is

@@ -127,8 +127,8 @@ pub struct ConsumerStats {
     pub connection: Option<ConnectionId>,
     /// True once the broker acknowledged the current connection's subscriptions
     /// ([`HealthEvent::Subscribed`]), until that connection ends. On an own connection, only once the
-    /// application called [`Feed::subscribed`](crate::Feed::subscribed). What a service should wait for before it
-    /// reports itself ready: a message published while it is false may match no subscription yet.
+    /// application called [`Feed::subscribed`](crate::Feed::subscribed). What a service should wait for
+    /// before it reports itself ready: a message published while it is false may match no subscription yet.
     pub subscribed: bool,
     /// The cause of the latest connection loss, if one was given.
     pub last_lost_cause: Option<String>,
