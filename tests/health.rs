@@ -205,6 +205,13 @@ impl Drop for StopOnDrop {
     }
 }
 
+/// The next event, waiting at most a minute for it.
+fn next_event(events: &HealthEvents) -> HealthEvent {
+    events
+        .recv_timeout(Duration::from_secs(60))
+        .expect("an event in time")
+}
+
 /// Waits, bounded, for the statistics to satisfy `f`.
 fn wait_stats(stats: &StatsHandle, what: &str, f: impl Fn(&edge_inbox::ConsumerStats) -> bool) {
     let found = common::wait_for(Duration::from_secs(60), || {
@@ -269,11 +276,7 @@ fn the_subscription_is_reported_once_acknowledged_and_a_message_published_then_a
     std::thread::scope(|scope| {
         let run = scope.spawn(|| c.run(inventory_handler));
         let _stop_on_panic = StopOnDrop(stop.clone());
-        let next = || {
-            events
-                .recv_timeout(Duration::from_secs(60))
-                .expect("an event in time")
-        };
+        let next = || next_event(&events);
         // A new client id on a new broker: no kept session holds a subscription before ours is made.
         let first = match next() {
             HealthEvent::Connected {
@@ -350,11 +353,7 @@ fn a_broker_that_dies_gives_a_lost_event_with_its_cause_then_a_new_connection() 
     std::thread::scope(|scope| {
         let run = scope.spawn(|| c.run(inventory_handler));
         let _stop_on_panic = StopOnDrop(stop.clone());
-        let next = || {
-            events
-                .recv_timeout(Duration::from_secs(60))
-                .expect("an event in time")
-        };
+        let next = || next_event(&events);
         let first = match next() {
             HealthEvent::Connected { connection, .. } => connection,
             other => panic!("{other:?}"),

@@ -10,7 +10,7 @@ use rumqttc::v5::mqttbytes::v5 as p5;
 use rumqttc::v5::mqttbytes::QoS as Q5;
 use rumqttc::{QoS, TlsConfiguration, Transport};
 
-use crate::mqtt::driver::Feed;
+use crate::mqtt::driver::{Feed, FeedClosed};
 use crate::mqtt::gate::PubAckSender;
 use crate::mqtt::tls::TlsConfig;
 use crate::store::error::Error;
@@ -534,6 +534,26 @@ enum AfterSuback {
 }
 
 impl Subscriptions {
+    /// A SUBACK arrived ([`Subscriptions::answered`]); after a refusal that does not end the run, the
+    /// connection is ended here (`lose`), rather than by a DISCONNECT through the request channel, which
+    /// may be full, and which rumqttc would replay on the next connection if this one failed first. False
+    /// to end the poll thread.
+    fn suback(
+        &mut self,
+        feed: &mut Feed,
+        refused: Vec<String>,
+        reason: Option<&str>,
+        again: &Again<'_>,
+        lose: impl FnOnce(&mut Feed) -> std::result::Result<(), FeedClosed>,
+        backoff: &mut Duration,
+    ) -> bool {
+        match self.answered(feed, again.closing, refused, reason, backoff) {
+            AfterSuback::Go => true,
+            AfterSuback::Reconnect(why) => again.after_refusal(feed, lose, why, backoff),
+            AfterSuback::End => false,
+        }
+    }
+
     /// A CONNACK arrived and no filter is configured: the deliveries can only come from the subscriptions
     /// of a session the broker kept. False to end the poll thread.
     fn without_filters(&mut self, feed: &mut Feed, session_present: bool) -> bool {
@@ -593,6 +613,43 @@ impl Subscriptions {
     }
 }
 
+/// What the poll thread needs to connect again.
+struct Again<'a> {
+    closing: &'a AtomicBool,
+    connected_once: bool,
+    max_packet: u32,
+}
+
+impl Again<'_> {
+    /// Ends the connection after a refused subscription, as after an error (`lose` tells the feed, which
+    /// purges what the client holds of it), with the refusal as its cause, then naps with the backoff.
+    /// False to end the poll thread.
+    fn after_refusal(
+        &self,
+        feed: &mut Feed,
+        lose: impl FnOnce(&mut Feed) -> std::result::Result<(), FeedClosed>,
+        why: String,
+        backoff: &mut Duration,
+    ) -> bool {
+        if lose(feed.because(&why)).is_err() {
+            return false;
+        }
+        let failure = Failure {
+            permanent: None,
+            oversize: None,
+            shown: why,
+        };
+        after_error(
+            feed,
+            self.closing,
+            self.connected_once,
+            failure,
+            self.max_packet,
+            backoff,
+        )
+    }
+}
+
 fn poll_v4(
     mut conn: rumqttc::Connection,
     client: rumqttc::Client,
@@ -643,31 +700,14 @@ fn poll_v4(
             }
             Ok(E::Incoming(Packet::SubAck(ack))) => {
                 let refused = not_granted(&topics, &ack.return_codes, granted_v4);
-                match subscriptions.answered(&mut feed, &closing, refused, None, &mut backoff) {
-                    AfterSuback::Go => {}
-                    // Closed here rather than by a DISCONNECT through the request channel, which may be
-                    // full, and which rumqttc would replay on the next connection if this one failed first.
-                    AfterSuback::Reconnect(why) => {
-                        if feed.because(&why).lost_v311(&mut conn.eventloop).is_err() {
-                            return;
-                        }
-                        let failure = Failure {
-                            permanent: None,
-                            oversize: None,
-                            shown: why,
-                        };
-                        if !after_error(
-                            &feed,
-                            &closing,
-                            connected_once,
-                            failure,
-                            max_packet,
-                            &mut backoff,
-                        ) {
-                            return;
-                        }
-                    }
-                    AfterSuback::End => return,
+                let again = Again {
+                    closing: &closing,
+                    connected_once,
+                    max_packet,
+                };
+                let lose = |f: &mut Feed| f.lost_v311(&mut conn.eventloop);
+                if !subscriptions.suback(&mut feed, refused, None, &again, lose, &mut backoff) {
+                    return;
                 }
             }
             Ok(E::Incoming(Packet::Publish(p))) => {
@@ -769,31 +809,14 @@ fn poll_v5(
                     .properties
                     .as_ref()
                     .and_then(|p| p.reason_string.as_deref());
-                match subscriptions.answered(&mut feed, &closing, refused, reason, &mut backoff) {
-                    AfterSuback::Go => {}
-                    // Closed here rather than by a DISCONNECT through the request channel, which may be
-                    // full, and which rumqttc would replay on the next connection if this one failed first.
-                    AfterSuback::Reconnect(why) => {
-                        if feed.because(&why).lost_v5(&mut conn.eventloop).is_err() {
-                            return;
-                        }
-                        let failure = Failure {
-                            permanent: None,
-                            oversize: None,
-                            shown: why,
-                        };
-                        if !after_error(
-                            &feed,
-                            &closing,
-                            connected_once,
-                            failure,
-                            max_packet,
-                            &mut backoff,
-                        ) {
-                            return;
-                        }
-                    }
-                    AfterSuback::End => return,
+                let again = Again {
+                    closing: &closing,
+                    connected_once,
+                    max_packet,
+                };
+                let lose = |f: &mut Feed| f.lost_v5(&mut conn.eventloop);
+                if !subscriptions.suback(&mut feed, refused, reason, &again, lose, &mut backoff) {
+                    return;
                 }
             }
             Ok(E::Incoming(Packet::Publish(p))) => {
