@@ -189,7 +189,8 @@ pub(crate) struct Health {
     /// a batch allocates nothing once the queue has grown.
     held: VecDeque<(u64, HealthEvent)>,
     last_lost_cause: Option<String>,
-    /// The current connection's subscriptions are acknowledged.
+    /// The current connection's subscriptions are acknowledged; cleared when a connection begins or ends,
+    /// so never true without a connection.
     subscribed: bool,
 }
 
@@ -328,7 +329,7 @@ impl Health {
         };
         s.summary = *summary;
         s.connection = connection;
-        s.subscribed = self.subscribed && connection.is_some();
+        s.subscribed = self.subscribed;
         s.unsettled = unsettled;
         s.last_lost_cause.clone_from(&self.last_lost_cause);
     }
@@ -343,7 +344,7 @@ impl Health {
         let mut s = self.shared.lock();
         s.summary = *summary;
         s.connection = connection;
-        s.subscribed = self.subscribed && connection.is_some();
+        s.subscribed = self.subscribed;
         s.unsettled = unsettled;
         s.last_lost_cause.clone_from(&self.last_lost_cause);
     }
