@@ -267,7 +267,9 @@ fn run_one(
                 if prefill > 0 {
                     fill(&mut inbox, tag, prefill)?;
                 }
-                wrap_wal(&mut inbox, &path, tag)?;
+                if !super::fresh_wal() {
+                    wrap_wal(&mut inbox, &path, tag)?;
+                }
                 written = Written::now();
                 syncs_from = field_vfs::wal_sync_mark();
                 let mqtt = MqttConfig::new("127.0.0.1", relay.port, &client_id)

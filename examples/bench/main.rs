@@ -60,6 +60,13 @@ struct Counting;
 
 static ALLOCS: AtomicU64 = AtomicU64::new(0);
 static TRACE: AtomicBool = AtomicBool::new(false);
+/// `--fresh-wal`.
+static FRESH_WAL: AtomicBool = AtomicBool::new(false);
+
+/// Whether rows and runs are timed on a fresh WAL's first pass (`--fresh-wal`).
+pub(crate) fn fresh_wal() -> bool {
+    FRESH_WAL.load(Ordering::Relaxed)
+}
 /// The `Consumer`'s `overlap_syncs` in the e2e and latency modes.
 #[cfg(feature = "mqtt")]
 static OVERLAP_SYNCS: Mutex<edge_inbox::SyncOverlap> = Mutex::new(edge_inbox::SyncOverlap::Auto);
@@ -178,6 +185,11 @@ struct Args {
         value_parser = clap::value_parser!(u16).range(1..)
     )]
     e2e_batches: Vec<u16>,
+    /// table and latency: time each row or run on its fresh WAL's first pass, whose appends make every sync
+    /// also commit the file's new size, instead of on a WAL that has wrapped once (the default: a gateway's
+    /// steady state).
+    #[arg(long)]
+    fresh_wal: bool,
     /// e2e and latency: the `Consumer`'s `overlap_syncs`: `auto` (the default), `on` or `off`.
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "on", "off"])]
     overlap_syncs: String,
@@ -224,6 +236,7 @@ fn main() -> anyhow::Result<()> {
         config = config.checkpoint_thread(on);
     }
     set_inbox_config(config);
+    FRESH_WAL.store(args.fresh_wal, Ordering::Relaxed);
     #[cfg(feature = "mqtt")]
     e2e::set_broker_nagle(args.broker_nagle);
     #[cfg(feature = "mqtt")]

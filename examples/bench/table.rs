@@ -245,7 +245,7 @@ impl Contender {
         c.run(warm)?;
         for chunk in 0.. {
             let after = wal_len();
-            if row == Row::Fsync || (after == before && after > 0) {
+            if row == Row::Fsync || fresh_wal() || (after == before && after > 0) {
                 c.warmed = warm * (chunk + 1);
                 break;
             }
@@ -259,7 +259,9 @@ impl Contender {
         }
         // The warm-up's frames are copied now, so that the timed deliveries' bytes are their own; the WAL
         // keeps its size.
-        checkpoint_all(&c.store, "RESTART")?;
+        if !fresh_wal() {
+            checkpoint_all(&c.store, "RESTART")?;
+        }
         c.elapsed = Duration::ZERO;
         c.written = Written::default();
         c.counted = (0, 0);
@@ -594,8 +596,13 @@ pub(crate) fn table(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyh
         .filter(|r| !matches!(r, Row::Fsync | Row::Batch256VsClassic))
         .map(|r| format!("{} {}", short_or_label(r), bytes[idx(r)].warmed))
         .collect();
+    let until = if fresh_wal() {
+        "(--fresh-wal: rows timed on their WAL's first pass)"
+    } else {
+        "until the row's WAL had wrapped once"
+    };
     println!(
-        "\nwarm-up, messages committed before the clock until the row's WAL had wrapped once (its file keeps their identities): {}",
+        "\nwarm-up, messages committed before the clock {until} (its file keeps their identities): {}",
         warmed.join(", ")
     );
     Ok(())
