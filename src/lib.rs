@@ -807,8 +807,10 @@
 //! [`Inbox::prune_step`] does one bounded step (a window of rows, some free pages, or a WAL checkpoint) in its
 //! own short transaction; [`Inbox::prune`] runs a whole pass, resting between steps so that consumers on the
 //! same file keep committing. Freed pages go back to the file system (`auto_vacuum=INCREMENTAL`, run in steps)
-//! and a pass ends with `wal_checkpoint(TRUNCATE)`. Steps commit without their own sync (a lost step is
-//! redone by the next pass; [`Pruning::sync_steps`] to sync each inside its commit, or
+//! and a pass ends with a PASSIVE checkpoint that keeps the WAL file's size, so the consumers' next commits
+//! overwrite it in place instead of appending ([`Pruning::truncate_wal`] to shrink it to zero). Steps commit
+//! without their own sync (a lost step is redone by the next pass; [`Pruning::sync_steps`] to sync each
+//! inside its commit, or
 //! [`Pruning::sync_after_steps`] to sync the WAL after each once the write lock is released: off by
 //! default, it did not lower a consumer's commit p99 where measured). The pruner copies the WAL back itself
 //! whenever a step leaves [`Pruning::checkpoint_pages`] (250) frames not yet copied: a PASSIVE checkpoint,

@@ -250,7 +250,7 @@ fn a_pruners_truncate_does_not_wait_out_the_busy_timeout_behind_a_rounds_pin() {
     });
     let mut pruner = Inbox::open(&path, config.checkpoint_thread(false)).unwrap();
     let started = Instant::now();
-    let report = pruner.prune(&Pruning::default().pause(Duration::ZERO));
+    let report = pruner.prune(&Pruning::default().pause(Duration::ZERO).truncate_wal(true));
     let took = started.elapsed();
     deliver(&mut inbox, i).unwrap();
     gate.set(false);

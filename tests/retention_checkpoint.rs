@@ -84,8 +84,7 @@ fn a_consumer_never_checkpoints_while_a_prune_runs() {
 }
 
 /// The same with the consumer committing on its own thread while the pruner steps and rests: commits land
-/// during the pruner's checkpoints. The WAL file, which only grows until the pass truncates it at its end,
-/// never reaches the consumer's threshold of 1000 frames, so no consumer commit can have run a checkpoint
+/// during the pruner's checkpoints. The WAL file, which never shrinks during a pass, never reaches the consumer's threshold of 1000 frames, so no consumer commit can have run a checkpoint
 /// (its WAL hook checkpoints only at 1000 frames or more).
 #[test]
 fn the_wal_stays_below_the_consumers_threshold_while_a_prune_runs_beside_it() {
@@ -186,4 +185,62 @@ fn a_long_reader_does_not_make_the_pruners_restart_hold_the_write_lock_for_the_b
             .unwrap();
     }
     reader.execute_batch("COMMIT").unwrap();
+}
+
+/// A pass ends with a checkpoint that copies the WAL back and keeps the file's size, so that a consumer's
+/// next commits overwrite it from its start: a WAL emptied to zero appends again until it reaches the
+/// consumers' threshold, and each of those syncs also commits the file's new size. Asked to, the pass
+/// empties the file. Fails when the default truncates.
+#[test]
+fn a_pass_keeps_the_wal_files_size_unless_asked_to_truncate_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let wal = dir.path().join("inbox.db-wal");
+    let wal_len = || std::fs::metadata(&wal).map_or(0, |m| m.len());
+    let n = common::scaled(2_000).max(500);
+    common::old_processed_file(&path, SCOPE, n);
+    let mut consumer = Inbox::open(&path, Config::default()).unwrap();
+    let mut deliver = |from: usize, count: usize| {
+        for i in from..from + count {
+            let id = format!("new-{i}");
+            consumer
+                .process(&Delivery::new("consumer", &id, "orders", b"{}"), noop)
+                .unwrap();
+        }
+    };
+    deliver(0, 20);
+
+    let mut pruner = Inbox::open(&path, Config::default()).unwrap();
+    let report = pruner
+        .prune(&Pruning::default().pause(Duration::ZERO))
+        .unwrap();
+    assert!(report.done);
+    assert_eq!(report.payloads_pruned, n as u64);
+    let size = wal_len();
+    assert!(size > 0, "the pass emptied the WAL file");
+    let (frames, copied): (i64, i64) = pruner
+        .connection()
+        .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
+            Ok((r.get(1)?, r.get(2)?))
+        })
+        .unwrap();
+    assert_eq!(frames, copied, "the pass left frames not copied back");
+
+    // Fewer frames than the file holds: the consumer's commits start the WAL over in place.
+    deliver(20, 10);
+    assert_eq!(
+        wal_len(),
+        size,
+        "the consumer's commits after the pass appended to the WAL"
+    );
+
+    let report = pruner
+        .prune(&Pruning::default().pause(Duration::ZERO).truncate_wal(true))
+        .unwrap();
+    assert!(report.done);
+    assert_eq!(
+        wal_len(),
+        0,
+        "asked to, the pass did not empty the WAL file"
+    );
 }

@@ -103,7 +103,12 @@ fn pruned_payloads_keep_identities_and_spare_pending_and_failed_work() {
     let expect = |k: usize| (0..n).filter(|i| i % kinds.len() == k).count() as u64;
 
     let report = inbox
-        .prune(&Pruning::default().batch(97).pause(Duration::ZERO))
+        .prune(
+            &Pruning::default()
+                .batch(97)
+                .pause(Duration::ZERO)
+                .truncate_wal(true),
+        )
         .unwrap();
     assert!(report.done);
     assert_eq!(report.payloads_pruned, expect(0));

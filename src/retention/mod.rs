@@ -242,7 +242,7 @@ impl Default for Pruning {
             pause: Duration::from_millis(10),
             idle: 9,
             as_of: None,
-            truncate_wal: true,
+            truncate_wal: false,
             max_clock_jump: Duration::from_secs(30 * DAY as u64),
             trust_clock: false,
             checkpoint_pages: 250,
@@ -359,8 +359,18 @@ impl Pruning {
         self
     }
 
-    /// End a pass with `wal_checkpoint(TRUNCATE)` so the WAL file shrinks to zero (default true). The
-    /// TRUNCATE holds the write lock while it waits for readers of an older snapshot (a consumer's
+    /// End a pass with `wal_checkpoint(TRUNCATE)` so the WAL file shrinks to zero (default false: a pass
+    /// ends with a PASSIVE checkpoint, which copies back what readers allow and leaves the file its size).
+    ///
+    /// A WAL that starts again from zero appends to its file until it reaches the consumers' checkpoint
+    /// threshold, and while it grows every sync also commits the file's new size: on ext4, single-delivery
+    /// commits ran at 0.61-0.64x the rate of the same commits on a WAL reused in place, and each appended
+    /// page cost the device about twice the bytes (BENCHMARKS.md, issue 23, fifteenth round). A running
+    /// consumer grows the file back within minutes, so shrinking it frees no space for long; SQLite deletes
+    /// the WAL anyway when the file's last connection closes. Turn it on for a file that stays open but
+    /// idle after the pass.
+    ///
+    /// The TRUNCATE holds the write lock while it waits for readers of an older snapshot (a consumer's
     /// checkpoint thread keeps one for the length of its copy), so it gives up after 10 ms (waiting for the
     /// write lock included) and leaves the WAL as it is for the next pass, rather than holding every commit
     /// back for the busy timeout.
