@@ -324,8 +324,8 @@ fn main() -> anyhow::Result<()> {
     });
     std::thread::sleep(Duration::from_millis(500));
 
-    // Maintenance on its own connection: whole retention passes (scans of every identity, vacuum steps, WAL
-    // truncation) competing for the write lock the whole time.
+    // Maintenance on its own connection: whole retention passes (scans of every identity, vacuum steps,
+    // checkpoints) competing for the write lock the whole time.
     let done = Arc::new(AtomicBool::new(false));
     let passes = Arc::new(AtomicU64::new(0));
     let pruner = {

@@ -229,8 +229,8 @@ fn a_failed_sync_of_the_database_file_keeps_the_wal_for_the_next_open() {
     }
 }
 
-/// While a round pins its snapshot (its sync of the database file held here), a pruner's pass ends with
-/// `wal_checkpoint(TRUNCATE)`, which holds the write lock while it waits for that reader: it gives up after a
+/// While a round pins its snapshot (its sync of the database file held here), a pruner's pass asked to
+/// truncate the WAL ends with `wal_checkpoint(TRUNCATE)`, which holds the write lock while it waits for that reader: it gives up after a
 /// short wait instead of the busy timeout (30 s here), so the commits behind it are not held for that long.
 /// Fails when the TRUNCATE waits with the connection's busy timeout.
 #[test]

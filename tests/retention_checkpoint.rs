@@ -84,8 +84,9 @@ fn a_consumer_never_checkpoints_while_a_prune_runs() {
 }
 
 /// The same with the consumer committing on its own thread while the pruner steps and rests: commits land
-/// during the pruner's checkpoints. The WAL file, which never shrinks during a pass, never reaches the consumer's threshold of 1000 frames, so no consumer commit can have run a checkpoint
-/// (its WAL hook checkpoints only at 1000 frames or more).
+/// during the pruner's checkpoints. The WAL file, which never shrinks during a pass, never reaches the
+/// consumer's threshold of 1000 frames, so no consumer commit can have run a checkpoint (its WAL hook
+/// checkpoints only at 1000 frames or more).
 #[test]
 fn the_wal_stays_below_the_consumers_threshold_while_a_prune_runs_beside_it() {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -190,7 +191,7 @@ fn a_long_reader_does_not_make_the_pruners_restart_hold_the_write_lock_for_the_b
 /// A pass ends with a checkpoint that copies the WAL back and keeps the file's size, so that a consumer's
 /// next commits overwrite it from its start: a WAL emptied to zero appends again until it reaches the
 /// consumers' threshold, and each of those syncs also commits the file's new size. Asked to, the pass
-/// empties the file. Fails when the default truncates.
+/// empties the file. Fails when the default truncates, and when the pass leaves frames not copied back.
 #[test]
 fn a_pass_keeps_the_wal_files_size_unless_asked_to_truncate_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -218,21 +219,21 @@ fn a_pass_keeps_the_wal_files_size_unless_asked_to_truncate_it() {
     assert_eq!(report.payloads_pruned, n as u64);
     let size = wal_len();
     assert!(size > 0, "the pass emptied the WAL file");
-    let (frames, copied): (i64, i64) = pruner
-        .connection()
-        .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
-            Ok((r.get(1)?, r.get(2)?))
-        })
-        .unwrap();
-    assert_eq!(frames, copied, "the pass left frames not copied back");
 
-    // Fewer frames than the file holds: the consumer's commits start the WAL over in place.
-    deliver(20, 10);
-    assert_eq!(
-        wal_len(),
-        size,
-        "the consumer's commits after the pass appended to the WAL"
+    // A WAL that starts over gets new salts in its header (bytes 16..24); appending leaves the header as it
+    // is. Only a WAL whose every frame the pass copied back starts over at the consumer's next commit;
+    // otherwise the commit appends after the pass's frames.
+    let salts = || std::fs::read(&wal).unwrap()[16..24].to_vec();
+    let before = salts();
+    deliver(20, 1);
+    assert_ne!(
+        salts(),
+        before,
+        "the consumer's commit after the pass did not start the WAL over"
     );
+    // Fewer frames than the file holds: they overwrite it in place.
+    deliver(21, 9);
+    assert_eq!(wal_len(), size, "the consumer's commits grew the WAL file");
 
     let report = pruner
         .prune(&Pruning::default().pause(Duration::ZERO).truncate_wal(true))

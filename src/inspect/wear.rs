@@ -27,8 +27,8 @@ pub struct BytesWritten {
     /// database file: on Linux what the kernel
     /// accounted to the checkpointing thread (`write_bytes`, whole 4 KiB pages of the page cache, which is what
     /// reaches the device); elsewhere the pages SQLite backfilled, an upper bound (a page changed in several
-    /// frames of one WAL is written once). Other checkpoints (retention's WAL truncation at the end of a pass,
-    /// the last connection closing) are not counted.
+    /// frames of one WAL is written once). Other checkpoints (the one that ends a retention pass, the last
+    /// connection closing) are not counted.
     pub checkpoint_bytes: u64,
 }
 

@@ -364,11 +364,13 @@ impl Pruning {
     ///
     /// A WAL that starts again from zero appends to its file until it reaches the consumers' checkpoint
     /// threshold, and while it grows every sync also commits the file's new size: on ext4, single-delivery
-    /// commits ran at 0.61-0.64x the rate of the same commits on a WAL reused in place, and each appended
-    /// page cost the device about twice the bytes (BENCHMARKS.md, issue 23, fifteenth round). A running
-    /// consumer grows the file back within minutes, so shrinking it frees no space for long; SQLite deletes
-    /// the WAL anyway when the file's last connection closes. Turn it on for a file that stays open but
-    /// idle after the pass.
+    /// commits ran at 0.59-0.79x the rate they had on a WAL reused in place, and a 4 KiB write with its sync
+    /// cost the device 8.2 KB instead of 4.2 (BENCHMARKS.md, issue 23, fifteenth round). A running consumer
+    /// grows the file back within minutes, so shrinking it frees no space for long; SQLite deletes the WAL
+    /// anyway when the file's last connection closes, and cuts it back to
+    /// [`Config::journal_size_limit`](crate::Config::journal_size_limit) whenever it starts over (with no
+    /// limit, -1, a WAL kept this way never shrinks). Turn it on for a file that stays open but idle after
+    /// the pass.
     ///
     /// The TRUNCATE holds the write lock while it waits for readers of an older snapshot (a consumer's
     /// checkpoint thread keeps one for the length of its copy), so it gives up after 10 ms (waiting for the
