@@ -376,29 +376,18 @@ const WARM_UP_SCOPE: &str = "wal-warm-up";
 fn wrap_wal(inbox: &mut Inbox, path: &Path, tag: &str) -> anyhow::Result<()> {
     const CHUNK: usize = 500;
     const MAX_CHUNKS: usize = 400;
-    let wal = format!("{}-wal", path.display());
-    let wal_len = || std::fs::metadata(&wal).map_or(0, |m| m.len());
+    let wal = std::path::PathBuf::from(format!("{}-wal", path.display()));
     let conn = inbox.connection();
     let level: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
     conn.execute_batch("PRAGMA synchronous = OFF")?;
     let mut handler = super::kv_handler();
-    let mut before = wal_len();
-    for chunk in 0.. {
-        anyhow::ensure!(
-            chunk < MAX_CHUNKS,
-            "the WAL still grew after {MAX_CHUNKS} chunks"
-        );
-        let ids = super::ids(&format!("w-{tag}-{chunk}"), CHUNK);
-        for id in &ids {
-            let d = Delivery::new(WARM_UP_SCOPE, id, super::TOPIC, super::PAYLOAD);
+    super::table::until_wal_wraps(&wal, MAX_CHUNKS, |chunk| {
+        for id in super::ids(&format!("w-{tag}-{chunk}"), CHUNK) {
+            let d = Delivery::new(WARM_UP_SCOPE, &id, super::TOPIC, super::PAYLOAD);
             inbox.process(&d, &mut handler)?;
         }
-        let after = wal_len();
-        if after == before && after > 0 {
-            break;
-        }
-        before = after;
-    }
+        Ok(())
+    })?;
     let conn = inbox.connection();
     conn.execute_batch(&format!("PRAGMA synchronous = {level}"))?;
     super::table::checkpoint(conn, "RESTART")

@@ -1,6 +1,7 @@
 //! Throughput table: every row on a fresh file, rows taking turns slice by slice.
 
 use super::*;
+use anyhow::Context;
 use field_vfs::Written;
 use std::time::Instant;
 
@@ -131,8 +132,27 @@ fn uuid_v4_like(seed: &str) -> String {
 /// Messages of warm-up per row, before the clock runs.
 const WARM_UP: usize = 1100;
 
-/// Warm-up chunks (of [`WARM_UP`] messages) after the first at most, while a row's WAL still grows.
+/// Warm-up chunks (of [`WARM_UP`] messages) at most, while a row's WAL still grows.
 const MAX_WARM_CHUNKS: usize = 200;
+
+/// Runs `chunk(0)`, `chunk(1)`, ... until one leaves the WAL file at `wal` as long as it found it, and not
+/// empty: the WAL has wrapped once. Returns how many chunks ran; fails after `max` of them.
+pub(crate) fn until_wal_wraps(
+    wal: &Path,
+    max: usize,
+    mut chunk: impl FnMut(usize) -> anyhow::Result<()>,
+) -> anyhow::Result<usize> {
+    let len = || std::fs::metadata(wal).map_or(0, |m| m.len());
+    for k in 0..max {
+        let before = len();
+        chunk(k)?;
+        let after = len();
+        if after == before && after > 0 {
+            return Ok(k + 1);
+        }
+    }
+    anyhow::bail!("the WAL still grew after {max} chunks")
+}
 
 /// How many slices each row's messages are cut into; the rows take turns slice by slice.
 const SLICES: usize = 20;
@@ -239,28 +259,24 @@ impl Contender {
         // appends, and each fdatasync then also commits the file's new size: 1.5-2x the time of a sync in
         // place, measured on ext4. The rows' thresholds differ (SQLite's 1000 pages for the plain rows, the
         // inbox's own for the others), and so does how many commits fill them.
-        let wal = PathBuf::from(format!("{}-wal", path.display()));
-        let wal_len = || std::fs::metadata(&wal).map_or(0, |m| m.len());
-        let mut before = wal_len();
-        c.run(warm)?;
-        for chunk in 0.. {
-            let after = wal_len();
-            if row == Row::Fsync || fresh_wal() || (after == before && after > 0) {
-                c.warmed = warm * (chunk + 1);
-                break;
-            }
-            anyhow::ensure!(
-                chunk < MAX_WARM_CHUNKS,
-                "{row:?}: the WAL still grew after {MAX_WARM_CHUNKS} chunks of warm-up"
-            );
-            before = after;
-            // Before the timed ids in key order ('q' < 'r'): the classic rows keep appending to their index.
-            let more = row.ids(&format!("q{round}-{chunk:04}"), warm);
-            c.run_ids(&more, !matches!(row, Row::Duplicate | Row::Conflict))?;
-        }
-        // The warm-up's frames are copied now, so that the timed deliveries' bytes are their own; the WAL
-        // keeps its size.
-        if !fresh_wal() {
+        if row == Row::Fsync || fresh_wal() {
+            c.run(warm)?;
+            c.warmed = warm;
+        } else {
+            let wal = PathBuf::from(format!("{}-wal", path.display()));
+            let chunks = until_wal_wraps(&wal, MAX_WARM_CHUNKS, |chunk| {
+                if chunk == 0 {
+                    return c.run(warm);
+                }
+                // Before the timed ids in key order ('q' < 'r'): the classic rows keep appending to their
+                // index.
+                let more = row.ids(&format!("q{round}-{chunk:04}"), warm);
+                c.run_ids(&more, !matches!(row, Row::Duplicate | Row::Conflict))
+            })
+            .with_context(|| format!("{row:?}: warm-up"))?;
+            c.warmed = warm * chunks;
+            // The warm-up's frames are copied now, so that the timed deliveries' bytes are their own; the WAL
+            // keeps its size.
             checkpoint_all(&c.store, "RESTART")?;
         }
         c.elapsed = Duration::ZERO;
