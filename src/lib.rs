@@ -191,6 +191,11 @@
 //! counters, watermarks and outbox consistent; with `NORMAL` most cuts lose the deliveries acknowledged since
 //! the WAL's last sync (a checkpoint's), and only those.
 //!
+//! All of it assumes an SQLite with the fix for the WAL-reset race (3.51.3, or the 3.50.7 and 3.44.6 patch
+//! releases; <https://sqlite.org/wal.html#walresetbug>), in which a checkpoint beside another connection's
+//! commit could later skip frames. The `bundled` feature compiles a fixed one; with a system library, an
+//! affected version is logged as a warning when a file is opened.
+//!
 //! ## Flash wear
 //!
 //! [`Inbox::bytes_written`] tells the bytes the inbox wrote over the file's life ([`BytesWritten`]: WAL

@@ -365,7 +365,7 @@ fn a_corrupt_file_is_refused_at_open_and_a_corrupt_page_is_reported_by_check() {
     drop(inbox); // the last connection checkpoints the WAL into the file
     let backup = dir.path().join("backup.db");
     std::fs::copy(&path, &backup).unwrap();
-    let (page_size, root): (u64, u64) = {
+    let (page_size, root): (i64, i64) = {
         let c = Connection::open(&path).unwrap();
         (
             c.query_row("PRAGMA page_size", [], |r| r.get(0)).unwrap(),
@@ -377,6 +377,7 @@ fn a_corrupt_file_is_refused_at_open_and_a_corrupt_page_is_reported_by_check() {
             .unwrap(),
         )
     };
+    let (page_size, root) = (page_size as u64, root as u64);
     let mut bytes = std::fs::read(&path).unwrap();
     let at = ((root - 1) * page_size) as usize;
     for (i, b) in bytes[at..at + page_size as usize].iter_mut().enumerate() {

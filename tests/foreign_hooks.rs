@@ -22,8 +22,8 @@ fn open(path: &std::path::Path) -> Inbox {
 
 /// Application hooks that observe commits and rollbacks (and refuse nothing).
 fn install_hooks(conn: &edge_inbox::rusqlite::Connection) {
-    conn.commit_hook(Some(|| false));
-    conn.rollback_hook(Some(|| {}));
+    conn.commit_hook(Some(|| false)).unwrap();
+    conn.rollback_hook(Some(|| {})).unwrap();
 }
 
 /// `INSERT OR ROLLBACK` makes SQLite roll the transaction back; the handler swallows it and writes again.

@@ -61,9 +61,9 @@ fn handler(
         let refused = match rollback {
             Cause::Trigger => tx.sql().execute("INSERT INTO audit VALUES (1)", []),
             Cause::Interrupt => {
-                tx.sql().progress_handler(1, Some(|| true));
+                tx.sql().progress_handler(1, Some(|| true)).unwrap();
                 let r = tx.sql().execute("INSERT INTO once VALUES (2)", []);
-                tx.sql().progress_handler(0, None::<fn() -> bool>);
+                tx.sql().progress_handler(0, None::<fn() -> bool>).unwrap();
                 r
             }
             Cause::InsertOrRollback => tx

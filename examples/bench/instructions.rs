@@ -58,7 +58,8 @@ pub(crate) fn wal_frames(dir: &Path, n: usize) -> anyhow::Result<()> {
         let ids = ids("f", n + 50);
         let wal = PathBuf::from(format!("{}-wal", path.display()));
         let frames = |conn: &rusqlite::Connection| -> anyhow::Result<u64> {
-            let page: u64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+            let page: i64 = conn.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+            let page = page as u64;
             let size = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
             Ok(size.saturating_sub(32) / (page + 24))
         };

@@ -13,6 +13,7 @@ pub(crate) mod identity;
 pub(crate) mod outcome;
 pub(crate) mod records;
 pub(crate) mod schema;
+pub(crate) mod sqlite_version;
 pub(crate) mod state;
 pub(crate) mod txn;
 pub(crate) mod wal_sync;

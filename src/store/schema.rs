@@ -199,6 +199,7 @@ fn connect(path: &Path, flags: OpenFlags, config: &Config) -> Result<Connection>
 }
 
 fn open_once(path: &Path, config: &Config) -> Result<Connection> {
+    crate::store::sqlite_version::warn_if_affected();
     // Serialized where a thread of the connection's own may act on a deleted WAL while it is idle
     // (`store/db.rs`, `spawn_waiter`): SQLite's mutex then orders its calls with the owner's.
     #[cfg(target_os = "linux")]
