@@ -191,10 +191,12 @@
 //! counters, watermarks and outbox consistent; with `NORMAL` most cuts lose the deliveries acknowledged since
 //! the WAL's last sync (a checkpoint's), and only those.
 //!
-//! All of it assumes an SQLite with the fix for the WAL-reset race (3.51.3, or the 3.50.7 and 3.44.6 patch
-//! releases; <https://sqlite.org/wal.html#walresetbug>), in which a checkpoint beside another connection's
-//! commit could later skip frames. The `bundled` feature compiles a fixed one; with a system library, an
-//! affected version is logged as a warning when a file is opened.
+//! All of it assumes an SQLite with the fix for the WAL-reset race (3.51.3 or later, or the 3.50.7 and
+//! 3.44.6 patch releases; <https://sqlite.org/wal.html#walresetbug>): a checkpoint that begins while
+//! another connection starts the WAL over could make a later checkpoint skip frames, corrupting the
+//! database or losing committed transactions. The `bundled` feature compiles a fixed one; with a system
+//! library, an affected version is logged as a warning at the process's first open of an inbox (install
+//! the logger before it).
 //!
 //! ## Flash wear
 //!

@@ -121,6 +121,7 @@ fn migrate_3_to_4(conn: &Connection) -> rusqlite::Result<()> {
 
 /// Opens (creating if needed) the inbox database at `path` for reading and writing.
 pub(crate) fn open(path: &Path, config: &Config) -> Result<Connection> {
+    crate::store::sqlite_version::warn_if_affected();
     create_private(path)?;
     // Some lock conflicts while a new file is switched to WAL or its schema is created by another
     // connection return SQLITE_BUSY without consulting the busy handler; retry those within the timeout.
@@ -199,7 +200,6 @@ fn connect(path: &Path, flags: OpenFlags, config: &Config) -> Result<Connection>
 }
 
 fn open_once(path: &Path, config: &Config) -> Result<Connection> {
-    crate::store::sqlite_version::warn_if_affected();
     // Serialized where a thread of the connection's own may act on a deleted WAL while it is idle
     // (`store/db.rs`, `spawn_waiter`): SQLite's mutex then orders its calls with the owner's.
     #[cfg(target_os = "linux")]
