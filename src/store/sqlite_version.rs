@@ -16,7 +16,7 @@ const FIXED: i32 = 3_051_003;
 
 /// Whether SQLite `version` (as `sqlite3_libversion_number()`, `X*1000000 + Y*1000 + Z`) has the fix.
 pub(crate) fn has_wal_reset_fix(version: i32) -> bool {
-    // 3.50.x is series 3050, x its patch.
+    // Outside the range: before WAL existed (3.7.0), or fixed. 3.50.x is series 3050, x its patch.
     let (series, patch) = (version / 1000, version % 1000);
     !(3_007_000..FIXED).contains(&version)
         || (series == 3_050 && patch >= 7)
