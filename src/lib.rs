@@ -822,12 +822,13 @@
 //! WAL back itself whenever a step leaves [`Pruning::checkpoint_pages`] (250) frames not yet copied: a
 //! PASSIVE checkpoint, and when the WAL has not started over by itself by twice that, a RESTART that copies
 //! the few frames consumers added meanwhile (holding the write lock for that, and for at most 10 ms more
-//! while readers leave the WAL) so that it does; both outside its transactions and its rest. The WAL so stays below the consumers' [`Config::wal_autocheckpoint`] (10,000),
-//! and a consumer's commit does not have to run a checkpoint while a pass runs (5 of 232,504 did beside a
-//! 1,000,000-row prune on a loaded machine, 1,931 before); keep twice the pruner's figure below theirs when
-//! changing either. Other defaults: 32 rows a step, rest 9 times as long as each step took and at
-//! least 10 ms ([`Pruning::batch`], [`Pruning::idle`], [`Pruning::pause`]). Measured beside a consumer
-//! committing one delivery at a time: BENCHMARKS.md, issue 26.
+//! while readers leave the WAL) so that it does; both outside its transactions and its rest. The WAL so
+//! stays below the consumers' [`Config::wal_autocheckpoint`] (10,000), and a consumer's commit does not
+//! have to run a checkpoint while a pass runs (5 of 232,504 did beside a 1,000,000-row prune on a loaded
+//! machine, 1,931 before); keep twice the pruner's figure below theirs when changing either. Other
+//! defaults: 32 rows a step, rest 9 times as long as each step took and at least 10 ms
+//! ([`Pruning::batch`], [`Pruning::idle`], [`Pruning::pause`]). Measured beside a consumer committing one
+//! delivery at a time: BENCHMARKS.md, issue 26.
 //!
 //! ```
 //! use edge_inbox::{Config, ExpiredPolicy, Inbox, Pruning, RetentionPolicy};
