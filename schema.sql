@@ -1,4 +1,4 @@
--- edge-inbox schema, version 5.
+-- edge-inbox schema, version 6.
 --
 -- This file is the single source of the schema: `src/schema.rs` runs it on a new database and then sets
 -- `PRAGMA user_version`. A later version adds a forward migration there and bumps the version; this file
@@ -10,6 +10,8 @@
 -- which identity hashes are computed; NULL in a file migrated from version 1, whose identities stay unkeyed.
 -- name 'created_at': when the schema was created (Unix seconds; in a migrated file the first scope's creation).
 -- name 'clock_seen': the latest clock reading retention accepted (see src/retention.rs).
+-- name 'id_order': the layout of identity keys (`IdOrder`: 'hashed', 'leading:N' or 'counter'), chosen when the
+-- file is created and never changed: every stored key depends on it. 'hashed' in a file migrated from version 5.
 CREATE TABLE inbox_meta (
     name  TEXT PRIMARY KEY,
     value
@@ -24,7 +26,9 @@ CREATE TABLE scopes (
 
 -- The evidence. One compact row per (scope, producer, message id) ever committed.
 -- id_hash is xxh3-128 of (producer, message id) under the file's id_key: fixed width whatever the id length, so the row stays small
--- after the payload is pruned. fingerprint is xxh3-64 of (topic, payload) and only detects conflicts.
+-- after the payload is pruned. Under an id_order other than 'hashed' an order prefix goes ahead of those 16
+-- bytes (up to 16 more), so that ids that grow with time are inserted near each other; every table stores the
+-- same key for an identity. fingerprint is xxh3-64 of (topic, payload) and only detects conflicts.
 -- day is the commit time in whole Unix days (UTC): two bytes until 2059 instead of four for seconds, which keeps
 -- a retained identity under 40 bytes on disk; the identity horizon only needs day precision. A delivery that
 -- carried no send time stores -1 - day: the identity horizon never prunes it, since a repetition of it could

@@ -191,7 +191,7 @@ fn identities(
                 "INSERT INTO messages (scope_id, id_hash, producer, message_id, topic, payload, state, received_at, \
                  finished_at) VALUES (?1, ?2, NULL, ?3, ?4, ?5, 1, ?6, ?6)",
             )?
-            .execute((tx.scope_id(), &d.id_hash(&key).0[..], d.message_id, d.topic, d.payload, tx.now()))?;
+            .execute((tx.scope_id(), d.id_hash(&key).as_bytes(), d.message_id, d.topic, d.payload, tx.now()))?;
         Ok(())
     };
     let mut outcomes = Vec::with_capacity(batch);
@@ -489,8 +489,8 @@ fn latency(
                 for k in i..(i + 10_000).min(n) {
                     message_id(k, &mut id);
                     let h = inbox.id_hash(None, &id);
-                    msg.execute((scope_id, &h.0[..], &id))?;
-                    ident.execute((scope_id, &h.0[..]))?;
+                    msg.execute((scope_id, h.as_bytes(), &id))?;
+                    ident.execute((scope_id, h.as_bytes()))?;
                 }
             }
             conn.execute_batch("COMMIT")?;

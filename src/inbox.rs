@@ -682,7 +682,7 @@ pub(crate) fn claim_identity(
     let fingerprint = d.fingerprint();
     let inserted = conn.insert_identity(
         scope_id,
-        &id_hash.0,
+        id_hash.as_bytes(),
         fingerprint.to_sql(),
         stored_day(conn, now, d.sent_at.is_some()),
     );
@@ -772,7 +772,7 @@ fn existing(
     received: Fingerprint,
     now: i64,
 ) -> Result<Outcome> {
-    let stored = conn.stored_fingerprint(scope_id, &id_hash.0)?;
+    let stored = conn.stored_fingerprint(scope_id, id_hash.as_bytes())?;
     let stored = Fingerprint::from_sql(stored);
     if stored == received {
         return Ok(Outcome::Duplicate);
@@ -872,7 +872,7 @@ fn status_of(conn: &Connection, scope: &str, id_hash: &IdHash) -> Result<Status>
              LEFT JOIN messages m ON m.scope_id = i.scope_id AND m.id_hash = i.id_hash AND m.state IN (0, 2, 3) \
              WHERE s.name = ?1 AND i.id_hash = ?2",
         )?
-        .query_row((scope, &id_hash.0[..]), |r| {
+        .query_row((scope, id_hash.as_bytes()), |r| {
             Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, Option<i64>>(2)?))
         })
         .optional()?;

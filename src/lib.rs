@@ -110,6 +110,24 @@
 //! version 1 keeps the unkeyed hash of that version ([`IdKey::UNKEYED`], `inboxctl check` shows `identity key
 //! none`), so its identity rows stay valid.
 //!
+//! A random hash puts each new identity on a random leaf of the identity index: on a file with a million
+//! identities every delivery of a commit changes a leaf of its own, which the WAL and then the checkpoint
+//! write whole. When ids grow with time, [`Config::id_order`] chosen for a new file puts an order prefix
+//! ahead of the hash ([`IdOrder::Counter`] for a decimal counter at the end of the id, [`IdOrder::Leading`]
+//! for ids that begin with a time, such as UUIDv7), so that a commit's identities share the last leaves of
+//! their range. The full keyed hash still follows, so identities are told apart exactly as well. The layout
+//! is stored in the file and kept for its life (`inboxctl check` shows `order`); the prefix costs its bytes
+//! in every identity row (12 for a counter), and it keeps that part of the id, or its number, in the file.
+//!
+//! ```
+//! use edge_inbox::{Config, IdOrder, Inbox};
+//! # let dir = tempfile::tempdir()?;
+//! // Ids such as `gw-7/evt-000123`: each producer's counter in a range of its own.
+//! let inbox = Inbox::open(dir.path().join("inbox.db"), Config::default().id_order(IdOrder::Counter))?;
+//! assert_eq!(inbox.id_key().order(), IdOrder::Counter);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! [`UserProperty`] reads the message id from `message-id`, the producer from `producer` and the send time
 //! ([`Delivery::sent_at`]) from `sent-at` ([`SENT_AT`]): Unix seconds in decimal or an RFC 3339 time; any
 //! other value is bad input and quarantined.
@@ -949,6 +967,7 @@ pub use crate::retention::{
 };
 pub use crate::store::config::{Config, Limits, Synchronous};
 pub use crate::store::error::{Error, InvalidDelivery, Result};
+pub use crate::store::id_order::IdOrder;
 pub use crate::store::identity::{Delivery, Fingerprint, IdHash, IdKey, ID_KEY_LEN};
 pub use crate::store::outcome::{MessageState, Outcome, SequenceConflictCause, Status};
 pub use crate::store::records::QUARANTINE_PREFIX;

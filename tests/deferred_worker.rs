@@ -210,7 +210,7 @@ fn requeue_by_seq_covers_dead_letters_written_by_the_strong_case_path() {
         .execute(
             "INSERT INTO messages (scope_id, id_hash, producer, message_id, topic, payload, state, attempts, last_error, \
              received_at, finished_at) VALUES (?1, ?2, 'shop', 'strong-7', 'orders/7', ?3, 3, 1, 'boom', 0, 0)",
-            (scope_id, &d.id_hash(inbox.id_key()).0[..], d.payload),
+            (scope_id, d.id_hash(inbox.id_key()).as_bytes(), d.payload),
         )
         .unwrap();
     let seq: i64 = inbox

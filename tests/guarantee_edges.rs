@@ -268,7 +268,7 @@ fn a_file_of_schema_version_1_keeps_its_identities() {
         conn.execute(
             "INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (1, ?1, ?2, ?3)",
             (
-                &IdHash::of(Some("p"), "old-1").0[..],
+                IdHash::of(Some("p"), "old-1").as_bytes(),
                 edge_inbox::Fingerprint::of("t", b"x").0 as i64,
                 now() / DAY,
             ),

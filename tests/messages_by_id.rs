@@ -234,12 +234,12 @@ fn a_file_of_schema_version_4_is_migrated_with_its_messages() {
             conn.execute(
                 "INSERT INTO messages (seq, scope_id, id_hash, message_id, topic, payload, state, received_at) \
                  VALUES (?1, 1, ?2, ?3, 't', ?4, ?5, 1735689600)",
-                (seq, &hash.0[..], id, id.as_bytes(), state),
+                (seq, hash.as_bytes(), id, id.as_bytes(), state),
             )
             .unwrap();
             conn.execute(
                 "INSERT INTO identities (scope_id, id_hash, fingerprint, day) VALUES (1, ?1, ?2, 20089)",
-                (&hash.0[..], edge_inbox::Fingerprint::of("t", id.as_bytes()).0 as i64),
+                (hash.as_bytes(), edge_inbox::Fingerprint::of("t", id.as_bytes()).0 as i64),
             )
             .unwrap();
         }
@@ -257,7 +257,7 @@ fn a_file_of_schema_version_4_is_migrated_with_its_messages() {
         count(conn, "PRAGMA user_version"),
         edge_inbox::SCHEMA_VERSION
     );
-    assert_eq!(edge_inbox::SCHEMA_VERSION, 5);
+    assert_eq!(edge_inbox::SCHEMA_VERSION, 6);
     let rows: Vec<(i64, String, i64, Vec<u8>)> = conn
         .prepare("SELECT seq, message_id, state, payload FROM messages ORDER BY seq")
         .unwrap()

@@ -524,7 +524,7 @@ fn a_file_of_schema_version_3_is_migrated_to_bounded_merged_records() {
             conn.execute(
                 "INSERT INTO watermark_recent (scope_id, producer, sequence, id_hash, fingerprint) \
                  VALUES (1, 'p', ?1, ?2, ?3)",
-                (seq, &id.0[..], Fingerprint::of("t", b"v").0 as i64),
+                (seq, id.as_bytes(), Fingerprint::of("t", b"v").0 as i64),
             )
             .unwrap();
         }
@@ -533,7 +533,7 @@ fn a_file_of_schema_version_3_is_migrated_to_bounded_merged_records() {
             conn.execute(
                 "INSERT INTO conflicts (scope_id, id_hash, producer, message_id, topic, stored_fingerprint, \
                  received_fingerprint, at) VALUES (1, ?1, 'p', 'evt-1', 't', 5, ?2, ?3)",
-                (&IdHash::of(Some("p"), "evt-1").0[..], received, at),
+                (IdHash::of(Some("p"), "evt-1").as_bytes(), received, at),
             )
             .unwrap();
         }
@@ -565,8 +565,8 @@ fn a_file_of_schema_version_3_is_migrated_to_bounded_merged_records() {
     drop(ro);
 
     let mut inbox = Inbox::open(&path, Config::default()).unwrap();
-    assert_eq!(edge_inbox::SCHEMA_VERSION, 5);
-    assert_eq!(count(inbox.connection(), "PRAGMA user_version"), 5);
+    assert_eq!(edge_inbox::SCHEMA_VERSION, 6);
+    assert_eq!(count(inbox.connection(), "PRAGMA user_version"), 6);
     // Conflicts merged per (identity, received content), arrivals and times kept.
     let conflicts = inspect::conflicts(inbox.connection(), Some("s"), 10).unwrap();
     let merged: Vec<(u64, i64, i64)> = conflicts

@@ -49,8 +49,8 @@ fn consumer_commits_while_pruning_runs() {
         for i in 0..n {
             let id = format!("old-{i}");
             let h = setup.id_hash(None, &id);
-            stmt.execute((scope_id, &h.0[..], &id)).unwrap();
-            ident.execute((scope_id, &h.0[..], day)).unwrap();
+            stmt.execute((scope_id, h.as_bytes(), &id)).unwrap();
+            ident.execute((scope_id, h.as_bytes(), day)).unwrap();
         }
         drop((stmt, ident));
         conn.execute_batch("COMMIT").unwrap();

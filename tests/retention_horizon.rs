@@ -29,7 +29,7 @@ fn backdate(inbox: &Inbox, scope_id: i64, id: &str, days: i64) {
     let n = conn
         .execute(
             "UPDATE identities SET day = day - ?3 WHERE scope_id = ?1 AND id_hash = ?2",
-            (scope_id, &inbox.id_hash(None, id).0[..], days),
+            (scope_id, inbox.id_hash(None, id).as_bytes(), days),
         )
         .unwrap();
     assert_eq!(n, 1);
@@ -46,7 +46,7 @@ fn insert_message(inbox: &Inbox, scope_id: i64, id: &str, state: i64) {
         .execute(
             "INSERT INTO messages (scope_id, id_hash, message_id, topic, payload, state, received_at) \
              VALUES (?1, ?2, ?3, 't', x'00', ?4, 0)",
-            (scope_id, &inbox.id_hash(None, id).0[..], id, state),
+            (scope_id, inbox.id_hash(None, id).as_bytes(), id, state),
         )
         .unwrap();
 }

@@ -30,7 +30,7 @@ pub fn insert_message(
     conn.execute(
         "INSERT INTO messages (scope_id, id_hash, producer, message_id, topic, payload, state, received_at, \
          finished_at) VALUES (?1, ?2, NULL, ?3, 't', ?4, ?5, ?6, ?7)",
-        (scope_id, &IdHash::of(None, id).0[..], id, payload, state, finished_at - 60, finished_at),
+        (scope_id, IdHash::of(None, id).as_bytes(), id, payload, state, finished_at - 60, finished_at),
     )
     .unwrap();
 }

@@ -199,7 +199,7 @@ impl Raw {
             )?;
             for id in ids {
                 let h = IdHash::of(None, id);
-                stmt.execute((1i64, &h.0[..], fp, now))?;
+                stmt.execute((1i64, h.as_bytes(), fp, now))?;
             }
         }
         self.conn.prepare_cached("COMMIT")?.execute([])?;

@@ -85,7 +85,7 @@ impl Inbox {
             )?
             .execute((
                 scope_id,
-                &d.id_hash(&self.conn.id_key).0[..],
+                d.id_hash(&self.conn.id_key).as_bytes(),
                 d.producer,
                 d.message_id,
                 d.topic,

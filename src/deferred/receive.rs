@@ -192,7 +192,7 @@ fn store_pending(
     )?;
     let row = (
         scope_id,
-        &id_hash.0[..],
+        id_hash.as_bytes(),
         d.producer,
         d.message_id,
         d.topic,

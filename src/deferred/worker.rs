@@ -581,15 +581,18 @@ fn claim_rows(
         let lease_ms = config.lease.as_millis().min(i64::MAX as u128) as i64;
         let rows = stmt.query_map((owner, now, lease_ms, scope_id, max as i64), |r| {
             let hash: Vec<u8> = r.get(3)?;
-            let mut id_hash = [0u8; 16];
-            if hash.len() == 16 {
-                id_hash.copy_from_slice(&hash);
-            }
+            let id_hash = IdHash::from_bytes(&hash).ok_or_else(|| {
+                rusqlite::Error::FromSqlConversionFailure(
+                    3,
+                    rusqlite::types::Type::Blob,
+                    format!("an identity key of {} bytes", hash.len()).into(),
+                )
+            })?;
             Ok(Claim {
                 seq: r.get(0)?,
                 token: r.get(1)?,
                 attempts: r.get::<_, i64>(2)?.max(0) as u32,
-                id_hash: IdHash(id_hash),
+                id_hash,
                 producer: r.get(4)?,
                 message_id: r.get(5)?,
                 topic: r.get(6)?,
@@ -684,7 +687,7 @@ fn apply_claims<H: Handler>(
             )?
             .execute((
             scope_id,
-            &c.id_hash.0[..],
+            c.id_hash.as_bytes(),
             Fingerprint::of(&c.topic, &c.payload).to_sql(),
             day,
         ))?;
@@ -695,7 +698,7 @@ fn apply_claims<H: Handler>(
             conn.prepare_cached(
                 "UPDATE identities SET day = ?3 WHERE scope_id = ?1 AND id_hash = ?2 AND day >= 0 AND day < ?3",
             )?
-            .execute((scope_id, &c.id_hash.0[..], day))?;
+            .execute((scope_id, c.id_hash.as_bytes(), day))?;
         }
 
         let err = match run_handler(conn, &d, scope_id, now, handler, buf, &failure)? {

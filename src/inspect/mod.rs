@@ -307,6 +307,9 @@ pub struct CheckReport {
     /// How identities are hashed: `keyed` (a random key per database, created with its schema) or `none`
     /// (a file created before schema version 2 keeps its unkeyed hashes).
     pub id_key: &'static str,
+    /// Layout of the identity keys ([`IdOrder`](crate::IdOrder)'s name: `hashed`, `leading:N` or `counter`),
+    /// chosen when the file was created.
+    pub id_order: String,
     /// Why retention would refuse to act on this machine's clock now (it reads a time before the database
     /// was created, or too far after the latest time retention accepted); `None` when the clock can be right.
     pub clock_warning: Option<String>,
@@ -542,7 +545,7 @@ pub fn identity(
                 "SELECT {MESSAGE_COLUMNS} FROM messages m JOIN scopes s ON s.id = m.scope_id \
                  WHERE s.name = ?1 AND m.id_hash = ?2 AND m.state IN (0, 2, 3)"
             ))?
-            .query_row((scope, &id_hash.0[..]), message_row)
+            .query_row((scope, id_hash.as_bytes()), message_row)
             .optional()?;
         let message = match open {
             Some(m) => Some(m),
@@ -553,7 +556,7 @@ pub fn identity(
                     "SELECT {MESSAGE_COLUMNS} FROM messages m JOIN scopes s ON s.id = m.scope_id \
                      WHERE s.name = ?1 AND m.id_hash = ?2 AND m.state = 1 ORDER BY m.seq DESC LIMIT 1"
                 ))?
-                .query_row((scope, &id_hash.0[..]), message_row)
+                .query_row((scope, id_hash.as_bytes()), message_row)
                 .optional()?,
         };
         let conflicts: i64 = conn
@@ -561,7 +564,7 @@ pub fn identity(
                 "SELECT count(*) FROM conflicts c JOIN scopes s ON s.id = c.scope_id \
                  WHERE s.name = ?1 AND c.id_hash = ?2",
             )?
-            .query_row((scope, &id_hash.0[..]), |r| r.get(0))?;
+            .query_row((scope, id_hash.as_bytes()), |r| r.get(0))?;
         let (status, fingerprint, committed_day) = match st {
             Status::Recorded {
                 fingerprint, at, ..
@@ -771,6 +774,7 @@ pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
     } else {
         Vec::new()
     };
+    let id_key = crate::store::schema::id_key(conn)?;
     let journal_mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
     let auto_vacuum = match pragma_i64("auto_vacuum")? {
         0 => "none",
@@ -813,7 +817,8 @@ pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
         page_size: pragma_i64("page_size")?,
         page_count: pragma_i64("page_count")?,
         freelist_count: pragma_i64("freelist_count")?,
-        id_key: crate::store::schema::id_key(conn)?.kind(),
+        id_key: id_key.kind(),
+        id_order: id_key.order().name(),
         clock_warning,
         identities_implausible_day: u(identities_implausible_day),
     })

@@ -720,7 +720,7 @@ fn expired(
     // Undo the claim: the delivery is not applied, so it must not be remembered as processed.
     if let Some(id_hash) = id_hash {
         conn.prepare_cached("DELETE FROM identities WHERE scope_id = ?1 AND id_hash = ?2")?
-            .execute((scope_id, &id_hash.0[..]))?;
+            .execute((scope_id, id_hash.as_bytes()))?;
     }
     let quarantined = if policy == ExpiredPolicy::Quarantine {
         let reason = format!(

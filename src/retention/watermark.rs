@@ -97,7 +97,7 @@ pub(crate) fn claim(
         .prepare_cached(
             "SELECT fingerprint FROM watermark_recent WHERE scope_id = ?1 AND id_hash = ?2",
         )?
-        .query_row((c.scope_id, &c.id_hash.0[..]), |r| r.get(0))
+        .query_row((c.scope_id, c.id_hash.as_bytes()), |r| r.get(0))
         .optional()?;
     if let Some(fingerprint) = known {
         claim_number(conn, c, seq, false)?;
@@ -184,7 +184,7 @@ fn remember(conn: &Connection, c: &Claim<'_>, seq: i64) -> Result<()> {
         c.scope_id,
         c.producer,
         seq,
-        &c.id_hash.0[..],
+        c.id_hash.as_bytes(),
         c.fingerprint.to_sql(),
     ))?;
     Ok(())
@@ -201,7 +201,7 @@ fn already_claimed(conn: &Db, c: &Claim<'_>, d: &Delivery<'_>, now: i64) -> Resu
         .optional()?;
     let cause = match claimed {
         // Found by id first in `claim`; kept so that the sequence's own record still decides if they disagree.
-        Some((hash, fp)) if hash[..] == c.id_hash.0[..] => {
+        Some((hash, fp)) if hash[..] == *c.id_hash.as_bytes() => {
             return compare(conn, c, d, Fingerprint::from_sql(fp), now);
         }
         Some(_) => SequenceConflictCause::OtherMessage,

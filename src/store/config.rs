@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::store::id_order::IdOrder;
+
 /// How hard SQLite works to make a commit durable before [`Inbox::process`](crate::Inbox::process) returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -76,6 +78,7 @@ pub struct Config {
     pub(crate) checkpoint_thread: bool,
     pub(crate) page_size: Option<u32>,
     pub(crate) cache_bytes: usize,
+    pub(crate) id_order: IdOrder,
 }
 
 impl Default for Config {
@@ -92,6 +95,7 @@ impl Default for Config {
             checkpoint_thread: true,
             page_size: None,
             cache_bytes: DEFAULT_CACHE_BYTES,
+            id_order: IdOrder::Hashed,
         }
     }
 }
@@ -170,6 +174,18 @@ impl Config {
     /// README's section on flash wear before changing it.
     pub fn page_size(mut self, bytes: u32) -> Self {
         self.page_size = Some(bytes);
+        self
+    }
+
+    /// Layout of the identity keys of a database file this inbox *creates* ([`IdOrder`]); an existing file
+    /// keeps the layout it was created with (`inboxctl check` shows it, [`Inbox::id_key`](crate::Inbox::id_key)
+    /// returns it). Default [`IdOrder::Hashed`]. With ids that grow with time, [`IdOrder::Counter`] or
+    /// [`IdOrder::Leading`] keep a commit's new identities on a few leaves of the index instead of one each,
+    /// which on a large file is most of the bytes a delivery writes: see the README's section on flash wear.
+    /// A [`IdOrder::Leading`] of 0 or more than 16 bytes is refused when the file is created
+    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument)).
+    pub fn id_order(mut self, order: IdOrder) -> Self {
+        self.id_order = order;
         self
     }
 

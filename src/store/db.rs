@@ -650,25 +650,25 @@ impl Db {
     pub(crate) fn insert_identity(
         &self,
         scope_id: i64,
-        id_hash: &[u8; 16],
+        id_hash: &[u8],
         fingerprint: i64,
         day: i64,
     ) -> rusqlite::Result<usize> {
         self.hot
             .insert_identity
             .borrow_mut()
-            .execute((scope_id, &id_hash[..], fingerprint, day))
+            .execute((scope_id, id_hash, fingerprint, day))
     }
 
     pub(crate) fn stored_fingerprint(
         &self,
         scope_id: i64,
-        id_hash: &[u8; 16],
+        id_hash: &[u8],
     ) -> rusqlite::Result<i64> {
         self.hot
             .stored_fingerprint
             .borrow_mut()
-            .query_row((scope_id, &id_hash[..]), |r| r.get(0))
+            .query_row((scope_id, id_hash), |r| r.get(0))
     }
 
     pub(crate) fn add_counts(&self, scope_id: i64, counts: [i64; 4]) -> rusqlite::Result<()> {

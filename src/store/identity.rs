@@ -4,6 +4,7 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3, Xxh3Default};
 
 use crate::store::config::Limits;
 use crate::store::error::InvalidDelivery;
+use crate::store::id_order::IdOrder;
 
 /// One delivery as the core sees it: borrowed, so the hot path copies nothing.
 ///
@@ -151,7 +152,7 @@ fn check_len(field: &'static str, len: usize, max: usize) -> Result<(), InvalidD
 /// Length of an identity key: the size of an xxh3 secret.
 pub const ID_KEY_LEN: usize = 192;
 
-/// The per-database key of identity hashes ([`IdHash`]).
+/// The per-database key of identity hashes ([`IdHash`]) and their layout ([`IdOrder`]).
 ///
 /// A database created by this version gets a random key ([`ID_KEY_LEN`] bytes from the operating system's
 /// random source) with its schema, stored in it; the hash of an identity is xxh3-128 under that secret, so a
@@ -159,14 +160,23 @@ pub const ID_KEY_LEN: usize = 192;
 /// with it (to have that message dropped as a duplicate or conflict). A database migrated from schema
 /// version 1 keeps [`IdKey::UNKEYED`], the plain xxh3-128 of version 1, so its identity rows stay valid.
 #[derive(Clone, PartialEq, Eq)]
-pub struct IdKey(Option<Box<[u8; ID_KEY_LEN]>>);
+pub struct IdKey {
+    secret: Option<Box<[u8; ID_KEY_LEN]>>,
+    order: IdOrder,
+}
 
 impl IdKey {
     /// No key: the plain xxh3-128 of databases created before schema version 2.
-    pub const UNKEYED: IdKey = IdKey(None);
+    pub const UNKEYED: IdKey = IdKey {
+        secret: None,
+        order: IdOrder::Hashed,
+    };
 
     pub(crate) fn from_secret(secret: [u8; ID_KEY_LEN]) -> IdKey {
-        IdKey(Some(Box::new(secret)))
+        IdKey {
+            secret: Some(Box::new(secret)),
+            order: IdOrder::Hashed,
+        }
     }
 
     /// A key from `bytes` as stored in the database (`None`, or of the wrong length: unkeyed).
@@ -175,6 +185,12 @@ impl IdKey {
             Some(secret) => IdKey::from_secret(secret),
             None => IdKey::UNKEYED,
         }
+    }
+
+    /// The same key with identities laid out by `order`.
+    pub(crate) fn with_order(mut self, order: IdOrder) -> IdKey {
+        self.order = order;
+        self
     }
 
     /// A new random key from the operating system (which waits until its random source is seeded, as on a
@@ -187,7 +203,12 @@ impl IdKey {
 
     /// True for a database whose identities are hashed under a secret key.
     pub fn is_keyed(&self) -> bool {
-        self.0.is_some()
+        self.secret.is_some()
+    }
+
+    /// The layout of this database's identity keys.
+    pub fn order(&self) -> IdOrder {
+        self.order
     }
 
     /// `keyed` or `none`, as `inboxctl` shows it.
@@ -200,27 +221,37 @@ impl IdKey {
     }
 
     pub(crate) fn secret(&self) -> Option<&[u8; ID_KEY_LEN]> {
-        self.0.as_deref()
+        self.secret.as_deref()
     }
 }
 
 impl std::fmt::Debug for IdKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never the secret itself.
-        write!(f, "IdKey({})", self.kind())
+        if self.order == IdOrder::Hashed {
+            write!(f, "IdKey({})", self.kind())
+        } else {
+            write!(f, "IdKey({}, {})", self.kind(), self.order.name())
+        }
     }
 }
 
-/// Fixed-width identity key: xxh3-128 of the producer namespace and the message id, under the database's
-/// [`IdKey`].
+/// Longest identity key: the 16-byte hash after the longest [`IdOrder`] prefix.
+const MAX_ID_HASH: usize = IdOrder::MAX_LEADING as usize + 16;
+
+/// An identity's key in the database: xxh3-128 of the producer namespace and the message id, under the
+/// database's [`IdKey`], after the prefix of the database's [`IdOrder`] (none by default).
 ///
-/// 16 bytes whatever the id length, which keeps retained identities compact. The encoding is length-prefixed,
-/// so `("a", "bc")` and `("ab", "c")` differ, and "no producer" differs from every producer.
-/// The hash is part of the on-disk format and never changes within a schema version. Compute it with
-/// [`Inbox::id_hash`](crate::Inbox::id_hash) (the database's key), not with [`IdHash::of`], unless the
-/// database is unkeyed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct IdHash(pub [u8; 16]);
+/// 16 bytes whatever the id length (plus the prefix, at most 16 more), which keeps retained identities
+/// compact. The encoding is length-prefixed, so `("a", "bc")` and `("ab", "c")` differ, and "no producer"
+/// differs from every producer. The hash is part of the on-disk format and never changes within a schema
+/// version. Compute it with [`Inbox::id_hash`](crate::Inbox::id_hash) (the database's key and layout), not
+/// with [`IdHash::of`], unless the database is unkeyed. Ordered as SQLite orders the stored bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IdHash {
+    bytes: [u8; MAX_ID_HASH],
+    len: u8,
+}
 
 impl IdHash {
     /// Hashes an identity without a key: the hash of a database created before schema version 2
@@ -229,26 +260,118 @@ impl IdHash {
         IdHash::keyed(&IdKey::UNKEYED, producer, message_id)
     }
 
-    /// Hashes an identity under `key`.
+    /// Hashes an identity under `key`, in its layout.
     pub fn keyed(key: &IdKey, producer: Option<&str>, message_id: &str) -> IdHash {
-        match key.secret() {
+        let mut out = IdHash {
+            bytes: [0; MAX_ID_HASH],
+            len: 0,
+        };
+        let at = match key.order {
+            IdOrder::Hashed => 0,
+            IdOrder::Leading(n) => {
+                let n = usize::from(n.min(IdOrder::MAX_LEADING));
+                let id = message_id.as_bytes();
+                let take = id.len().min(n);
+                out.bytes[..take].copy_from_slice(&id[..take]);
+                n
+            }
+            IdOrder::Counter => {
+                let (stem, number) = split_counter(message_id);
+                // Domain byte 2: never equal to the start of the identity's own encoding (0 or 1).
+                let stem_hash = match key.secret() {
+                    None => {
+                        let mut h = Xxh3Default::new();
+                        h.update(&[2]);
+                        feed(producer, stem, |b| h.update(b));
+                        h.digest()
+                    }
+                    Some(secret) => {
+                        let mut h = Xxh3::with_secret(*secret);
+                        h.update(&[2]);
+                        feed(producer, stem, |b| h.update(b));
+                        h.digest()
+                    }
+                }
+                .to_be_bytes();
+                out.bytes[..4].copy_from_slice(&stem_hash[..4]);
+                out.bytes[4..12].copy_from_slice(&number.to_be_bytes());
+                12
+            }
+        };
+        let hash = match key.secret() {
             None => {
                 let mut h = Xxh3Default::new();
                 feed(producer, message_id, |b| h.update(b));
-                IdHash(h.digest128().to_be_bytes())
+                h.digest128()
             }
             Some(secret) => {
                 let mut h = Xxh3::with_secret(*secret);
                 feed(producer, message_id, |b| h.update(b));
-                IdHash(h.digest128().to_be_bytes())
+                h.digest128()
             }
+        };
+        out.bytes[at..at + 16].copy_from_slice(&hash.to_be_bytes());
+        out.len = (at + 16) as u8;
+        out
+    }
+
+    /// The key as stored: the 16-byte hash, after the layout's prefix.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+
+    /// A key read back from the database; `None` when `bytes` cannot be one (shorter than 16 or longer
+    /// than 32 bytes).
+    pub fn from_bytes(bytes: &[u8]) -> Option<IdHash> {
+        if !(16..=MAX_ID_HASH).contains(&bytes.len()) {
+            return None;
         }
+        let mut out = IdHash {
+            bytes: [0; MAX_ID_HASH],
+            len: bytes.len() as u8,
+        };
+        out.bytes[..bytes.len()].copy_from_slice(bytes);
+        Some(out)
     }
 
     /// Lower-case hex, as shown by the CLI.
     pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        self.as_bytes().iter().map(|b| format!("{b:02x}")).collect()
     }
+}
+
+impl std::fmt::Debug for IdHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "IdHash({})", self.to_hex())
+    }
+}
+
+impl PartialOrd for IdHash {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for IdHash {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.as_bytes().cmp(other.as_bytes())
+    }
+}
+
+/// Most digits of a counter [`IdOrder::Counter`] reads: every 19-digit number fits in 64 bits.
+const MAX_COUNTER_DIGITS: usize = 19;
+
+/// Splits `message_id` into the part before its trailing decimal digits (at most 19 of them) and their
+/// value.
+fn split_counter(message_id: &str) -> (&str, u64) {
+    let digits = message_id
+        .bytes()
+        .rev()
+        .take(MAX_COUNTER_DIGITS)
+        .take_while(u8::is_ascii_digit)
+        .count();
+    let (stem, tail) = message_id.split_at(message_id.len() - digits);
+    (stem, tail.parse().unwrap_or(0))
 }
 
 /// The length-prefixed encoding that is hashed.
@@ -328,5 +451,72 @@ mod tests {
             IdHash::keyed(&a, Some("ab"), "c")
         );
         assert_eq!(format!("{a:?}"), "IdKey(keyed)");
+    }
+
+    #[test]
+    fn layouts_put_their_prefix_ahead_of_the_same_hash() {
+        let key = IdKey::generate().unwrap();
+        let hashed = IdHash::keyed(&key, Some("p"), "evt-000123");
+        assert_eq!(hashed.as_bytes().len(), 16);
+        for order in [
+            IdOrder::Leading(1),
+            IdOrder::Leading(8),
+            IdOrder::Leading(16),
+            IdOrder::Counter,
+        ] {
+            let k = key.clone().with_order(order);
+            let h = IdHash::keyed(&k, Some("p"), "evt-000123");
+            assert_eq!(h.as_bytes().len(), 16 + order.prefix_len(), "{order:?}");
+            // The same identity hash after the prefix: the layout only adds an order.
+            assert_eq!(
+                &h.as_bytes()[order.prefix_len()..],
+                hashed.as_bytes(),
+                "{order:?}"
+            );
+            assert_eq!(IdHash::from_bytes(h.as_bytes()), Some(h));
+            assert_eq!(IdOrder::parse(&order.name()), Some(order));
+        }
+        let lead = key.clone().with_order(IdOrder::Leading(8));
+        assert_eq!(
+            &IdHash::keyed(&lead, None, "0190a5d2-ac96").as_bytes()[..8],
+            b"0190a5d2"
+        );
+        assert_eq!(
+            &IdHash::keyed(&lead, None, "ab").as_bytes()[..8],
+            b"ab\0\0\0\0\0\0"
+        );
+        assert_eq!(IdOrder::parse("leading:0"), None);
+        assert_eq!(IdOrder::parse("leading:17"), None);
+        assert_eq!(IdOrder::parse("sorted"), None);
+        assert_eq!(IdHash::from_bytes(&[0; 15]), None);
+        assert_eq!(IdHash::from_bytes(&[0; 33]), None);
+    }
+
+    #[test]
+    fn counter_layout_sorts_a_producers_ids_by_their_number() {
+        let key = IdKey::generate().unwrap().with_order(IdOrder::Counter);
+        let keys: Vec<IdHash> = [8, 9, 10, 11, 99, 100, 123_456_789]
+            .iter()
+            .map(|n| IdHash::keyed(&key, Some("gw-7"), &format!("evt-{n}")))
+            .collect();
+        assert!(keys.windows(2).all(|w| w[0] < w[1]), "{keys:?}");
+        // One range per producer and stem: all share the first four bytes.
+        assert!(keys
+            .iter()
+            .all(|k| k.as_bytes()[..4] == keys[0].as_bytes()[..4]));
+        let other = IdHash::keyed(&key, Some("gw-8"), "evt-9");
+        assert_ne!(other.as_bytes()[..4], keys[0].as_bytes()[..4]);
+        // Leading zeros give the same number but another identity.
+        let padded = IdHash::keyed(&key, Some("gw-7"), "evt-0009");
+        assert_ne!(padded, keys[1]);
+        assert_eq!(padded.as_bytes()[4..12], keys[1].as_bytes()[4..12]);
+        assert_eq!(split_counter("evt-000123"), ("evt-", 123));
+        assert_eq!(split_counter("no-digits"), ("no-digits", 0));
+        assert_eq!(split_counter("4711"), ("", 4711));
+        assert_eq!(
+            split_counter("x12345678901234567890"),
+            ("x1", 2_345_678_901_234_567_890)
+        );
+        assert_eq!(split_counter("é9"), ("é", 9));
     }
 }

@@ -9,6 +9,7 @@ pub(crate) mod error;
 pub(crate) mod files;
 #[cfg(feature = "mqtt")]
 pub(crate) mod group_sync;
+pub(crate) mod id_order;
 pub(crate) mod identity;
 pub(crate) mod outcome;
 pub(crate) mod records;

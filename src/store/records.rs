@@ -91,7 +91,7 @@ pub(crate) fn conflict(conn: &Connection, c: &Conflict<'_>, now: i64) -> rusqlit
         .query_row(
             (
                 c.scope_id,
-                &c.id_hash.0[..],
+                c.id_hash.as_bytes(),
                 c.producer,
                 c.message_id,
                 c.topic,
@@ -124,7 +124,7 @@ fn record_key(key: &IdKey, identity: Option<&IdHash>, topic: &str, payload: &[u8
             None => update(&[0]),
             Some(id) => {
                 update(&[1]);
-                update(&id.0);
+                update(id.as_bytes());
             }
         }
         update(&(topic.len() as u64).to_le_bytes());

@@ -8,12 +8,14 @@ use rusqlite::{ffi, Connection, OpenFlags};
 
 use crate::store::config::Config;
 use crate::store::error::{extended_code, Error, Result};
+use crate::store::id_order::IdOrder;
+use crate::store::identity::IdKey;
 
 /// The current schema, as a new database gets it.
 pub(crate) const SCHEMA: &str = include_str!("../../schema.sql");
 
 /// Version of the schema in `schema.sql` that this build creates and reads, stored in `PRAGMA user_version`.
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 
 /// One forward migration: SQL, or code for what SQL cannot do.
 enum Migration {
@@ -65,6 +67,10 @@ const MIGRATIONS: &[Migration] = &[
          CREATE INDEX messages_open_by_key ON messages (scope_id, order_key, seq) \
            WHERE state IN (0, 2) AND order_key IS NOT NULL;",
     ),
+    // 5 -> 6: identity keys may carry an order prefix (`IdOrder`), chosen when a file is created; a file
+    // created before keeps the keyed hash alone. The version bump keeps older builds, which would hash
+    // without the prefix and miss every stored identity, from opening a file that has one.
+    Migration::Sql("INSERT OR IGNORE INTO inbox_meta (name, value) VALUES ('id_order', 'hashed');"),
 ];
 
 const _: () = assert!(MIGRATIONS.len() as i64 == SCHEMA_VERSION - 1);
@@ -212,6 +218,7 @@ fn open_once(path: &Path, config: &Config) -> Result<Connection> {
 
     let version = known_version(&conn, path)?;
     if version == 0 {
+        check_id_order(config.id_order)?;
         // Before auto_vacuum, which fixes the page size of the empty file.
         if let Some(size) = config.page_size {
             set_page_size(&conn, size)?;
@@ -223,7 +230,7 @@ fn open_once(path: &Path, config: &Config) -> Result<Connection> {
     set_wal(&conn)?;
     apply_settings(&conn, config)?;
     if version != SCHEMA_VERSION {
-        install_or_migrate(&conn)?;
+        install_or_migrate(&conn, config.id_order)?;
     }
     Ok(conn)
 }
@@ -394,7 +401,7 @@ fn apply_settings(conn: &Connection, config: &Config) -> Result<()> {
 
 /// Creates or upgrades the schema in one write transaction. The version is read again under the write lock,
 /// so two processes opening a new file at once do not both create it.
-fn install_or_migrate(conn: &Connection) -> Result<()> {
+fn install_or_migrate(conn: &Connection, order: IdOrder) -> Result<()> {
     conn.execute_batch("BEGIN IMMEDIATE").map_err(Error::from)?;
     let result = (|| {
         let mut version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
@@ -403,11 +410,15 @@ fn install_or_migrate(conn: &Connection) -> Result<()> {
         }
         if version == 0 {
             conn.execute_batch(SCHEMA)?;
-            let key = crate::store::identity::IdKey::generate()
+            let key = IdKey::generate()
                 .map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))?;
             conn.execute(
-                "INSERT INTO inbox_meta (name, value) VALUES ('id_key', ?1), ('created_at', ?2)",
-                (key.secret().map(|s| &s[..]), crate::store::txn::unix_now()),
+                "INSERT INTO inbox_meta (name, value) VALUES ('id_key', ?1), ('created_at', ?2), ('id_order', ?3)",
+                (
+                    key.secret().map(|s| &s[..]),
+                    crate::store::txn::unix_now(),
+                    order.name(),
+                ),
             )?;
             version = SCHEMA_VERSION;
         }
@@ -439,22 +450,55 @@ fn install_or_migrate(conn: &Connection) -> Result<()> {
 }
 
 /// The identity key of the database on `conn` ([`IdKey::UNKEYED`](crate::IdKey::UNKEYED) for a file of
-/// schema version 1, migrated or not).
-pub(crate) fn id_key(conn: &Connection) -> Result<crate::store::identity::IdKey> {
-    Ok(crate::store::identity::IdKey::from_stored(
-        meta(conn, "id_key")?.as_deref(),
-    ))
+/// schema version 1, migrated or not), with the file's layout ([`IdOrder::Hashed`] before version 6).
+pub(crate) fn id_key(conn: &Connection) -> Result<IdKey> {
+    let key = IdKey::from_stored(meta(conn, "id_key")?.as_deref());
+    let order = match meta(conn, "id_order")? {
+        None => IdOrder::Hashed,
+        Some(name) => std::str::from_utf8(&name)
+            .ok()
+            .and_then(IdOrder::parse)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "the file's identity order {:?} is not one this version knows",
+                    String::from_utf8_lossy(&name)
+                ))
+            })?,
+    };
+    Ok(key.with_order(order))
 }
 
-/// A value of `inbox_meta` as bytes or an integer; `None` when absent (or the file predates the table).
+/// Refuses an [`IdOrder`] no file can be created with (a [`IdOrder::Leading`] of 0 or more than 16 bytes).
+fn check_id_order(order: IdOrder) -> Result<()> {
+    if IdOrder::parse(&order.name()) == Some(order) {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "identity order {order:?}: leading takes 1 to {} bytes",
+            IdOrder::MAX_LEADING
+        )))
+    }
+}
+
+/// A value of `inbox_meta` as bytes (a blob, or a text's UTF-8); `None` when absent, NULL, or the file
+/// predates the table.
 pub(crate) fn meta(conn: &Connection, name: &str) -> Result<Option<Vec<u8>>> {
     if version(conn)? < 2 {
         return Ok(None);
     }
+    use rusqlite::types::ValueRef;
     use rusqlite::OptionalExtension;
     Ok(conn
         .prepare_cached("SELECT value FROM inbox_meta WHERE name = ?1")?
-        .query_row([name], |r| r.get::<_, Option<Vec<u8>>>(0))
+        .query_row([name], |r| match r.get_ref(0)? {
+            ValueRef::Blob(b) | ValueRef::Text(b) => Ok(Some(b.to_vec())),
+            ValueRef::Null => Ok(None),
+            other => Err(rusqlite::Error::InvalidColumnType(
+                0,
+                "value".into(),
+                other.data_type(),
+            )),
+        })
         .optional()?
         .flatten())
 }

@@ -129,8 +129,8 @@ pub fn old_processed_file(path: &Path, scope: &str, n: usize) {
         for i in 0..n {
             let id = format!("evt-{i:010}-xxxxxxxx");
             let h = setup.id_hash(None, &id);
-            msg.execute((scope_id, &h.0[..], &id)).unwrap();
-            ident.execute((scope_id, &h.0[..])).unwrap();
+            msg.execute((scope_id, h.as_bytes(), &id)).unwrap();
+            ident.execute((scope_id, h.as_bytes())).unwrap();
         }
     }
     conn.execute_batch("COMMIT").unwrap();

@@ -807,8 +807,9 @@ fn check(cli: &Cli, path: &Path, max_problems: usize) -> anyhow::Result<ExitCode
             r.page_size, r.page_count, r.freelist_count, doc.files.db_bytes, doc.files.wal_bytes
         );
         println!(
-            "identity key {}; clock {}; identities with a commit day before the database existed {}",
+            "identity key {}, order {}; clock {}; identities with a commit day before the database existed {}",
             r.id_key,
+            r.id_order,
             r.clock_warning.as_deref().map_or("plausible".into(), |w| format!("WARNING: {w}")),
             r.identities_implausible_day
         );
