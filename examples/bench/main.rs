@@ -160,6 +160,10 @@ struct Args {
     /// Page size of the inboxes' new files (`Config::page_size`); default SQLite's.
     #[arg(long, value_name = "BYTES")]
     page_size: Option<u32>,
+    /// Layout of the identity keys of the inboxes' new files (`Config::id_order`): `hashed` (the default),
+    /// `counter` or `leading:N`. The bench's ids end with a counter (`{prefix}-NNNNNNNN`, `{client}-N`).
+    #[arg(long, value_name = "ORDER", value_parser = parse_id_order)]
+    id_order: Option<edge_inbox::IdOrder>,
     /// The inboxes' `Config::wal_autocheckpoint`.
     #[arg(long, value_name = "PAGES")]
     wal_autocheckpoint: Option<u32>,
@@ -197,6 +201,11 @@ struct Args {
     overlap_syncs: String,
 }
 
+fn parse_id_order(name: &str) -> Result<edge_inbox::IdOrder, String> {
+    edge_inbox::IdOrder::parse(name)
+        .ok_or_else(|| format!("{name:?}: hashed, counter or leading:N (N from 1 to 16)"))
+}
+
 /// The modes of `--mode`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
 enum Mode {
@@ -227,6 +236,10 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(p) = args.wal_autocheckpoint {
         config = config.wal_autocheckpoint(p);
+    }
+    if let Some(order) = args.id_order {
+        println!("Identity keys of the inboxes' files: {}.", order.name());
+        config = config.id_order(order);
     }
     if let Some(k) = args.cache_kib {
         config = config.cache_size(k * 1024);
