@@ -26,7 +26,8 @@ pub enum IdOrder {
     /// A decimal counter at the end of the id, such as `gw-7/evt-000123` or `4711`: 4 bytes of a keyed hash
     /// of the producer and of the id without its trailing digits, then those digits as a 64-bit number (the
     /// last 19 when there are more; 0 when there are none), then the hash. Each producer's and prefix's ids
-    /// then sit in a range of their own in counter order.
+    /// then sit in a range of their own in counter order. Not for UUIDs: their last characters are random
+    /// (and may be digits), so they scatter as under [`IdOrder::Hashed`], with 12 bytes more per row.
     Counter,
 }
 
