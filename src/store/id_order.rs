@@ -1,7 +1,7 @@
 //! The layouts of identity keys in the index: which part of an id, if any, goes ahead of its hash.
 
-/// How a database lays out its identity keys ([`IdHash`]) in its index: chosen when the file is created
-/// ([`Config::id_order`](crate::Config::id_order)), stored in it, and kept for the file's life.
+/// How a database lays out its identity keys ([`IdHash`](crate::IdHash)) in its index: chosen when the file
+/// is created ([`Config::id_order`](crate::Config::id_order)), stored in it, and kept for the file's life.
 ///
 /// Every layout ends with the full keyed hash of the identity, so two identities are told apart exactly as
 /// well under each. What changes is where a new identity lands in the index. Under [`IdOrder::Hashed`] it
