@@ -30,7 +30,7 @@ CREATE TABLE scopes (
 -- bytes (up to 16 more), so that ids that grow with time are inserted near each other; every table stores the
 -- same key for an identity. fingerprint is xxh3-64 of (topic, payload) and only detects conflicts.
 -- day is the commit time in whole Unix days (UTC): two bytes until 2059 instead of four for seconds, which keeps
--- a retained identity under 40 bytes on disk; the identity horizon only needs day precision. A delivery that
+-- a retained identity under 40 bytes on disk (without an order prefix); the identity horizon only needs day precision. A delivery that
 -- carried no send time stores -1 - day: the identity horizon never prunes it, since a repetition of it could
 -- not be recognised as expired once its identity is gone.
 -- No index on day: the identity horizon is applied by a bounded scan in key order (an index would cost more

@@ -78,6 +78,14 @@ impl Inbox {
         )?;
         conn.outbox = OutboxSettings::from_config(&config);
         conn.id_key = schema::id_key(&conn)?;
+        if conn.id_key.order() != config.id_order {
+            log::info!(
+                "{} keeps the identity layout it was created with ({}), not the configured {}",
+                path.display(),
+                conn.id_key.order().name(),
+                config.id_order.name()
+            );
+        }
         conn.slow_commit = config.slow_commit;
         conn.path = path.to_owned();
         let threshold = i64::from(config.wal_autocheckpoint);
@@ -124,7 +132,8 @@ impl Inbox {
         &self.conn.id_key
     }
 
-    /// The stored key of the identity (producer, message id) in this database, under its [`Inbox::id_key`].
+    /// The stored key of the identity (producer, message id) in this database, under its [`Inbox::id_key`] and
+    /// in its layout ([`IdKey::order`](crate::IdKey::order)).
     pub fn id_hash(&self, producer: Option<&str>, message_id: &str) -> IdHash {
         IdHash::keyed(&self.conn.id_key, producer, message_id)
     }

@@ -102,7 +102,8 @@
 //! - the optional **producer** namespace is for ids that are only unique per producer;
 //! - the **message id** comes from the application, never from the MQTT packet id (which the broker reuses).
 //!
-//! The identity is stored as a 16-byte xxh3-128 hash ([`IdHash`]), and beside it a 64-bit
+//! The identity is stored as a 16-byte xxh3-128 hash ([`IdHash`]; after an order prefix in a file created
+//! with one, below), and beside it a 64-bit
 //! [`Fingerprint`] of (topic, payload) that tells a redelivery from a conflicting reuse of the id.
 //! The hash is keyed per database ([`IdKey`]): a random secret created with the schema from the operating
 //! system's random source and stored in the file, so a producer that chooses its ids cannot craft a collision
@@ -774,7 +775,8 @@
 //! - **payloads**: stored messages in state *processed* and, separately, *dead-lettered* are deleted after their
 //!   own age. Pending and failed messages are never deleted. The compact identity row stays (interned scope,
 //!   16-byte hash, fingerprint, commit day: 39.3 bytes on disk each for a million identities, 39.1 for 100 000
-//!   beside the empty schema's fixed pages, measured by `examples/retention_bench.rs`), so every redelivery is
+//!   beside the empty schema's fixed pages, measured by `examples/retention_bench.rs`; an order prefix of
+//!   [`Config::id_order`] adds its bytes), so every redelivery is
 //!   still a [`Outcome::Duplicate`];
 //! - **identity horizon** (default: forever): when the operator sets one, identities older than it are deleted,
 //!   counted (`identities_pruned`) and logged. An identity whose stored message is still open (pending or

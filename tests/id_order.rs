@@ -2,7 +2,8 @@
 //! each, and fewer pages written per batch on a file with history when ids grow with time.
 
 use edge_inbox::{
-    inspect, Config, Delivery, Error, IdOrder, Inbox, Outcome, Status, Worker, WorkerConfig,
+    inspect, Config, Delivery, Error, IdOrder, Inbox, Outcome, RetentionPolicy, Status, Worker,
+    WorkerConfig,
 };
 use rusqlite::Connection;
 
@@ -106,7 +107,64 @@ fn every_layout_keeps_the_guarantee_and_the_file_keeps_its_layout() {
             Outcome::Duplicate
         ));
 
+        // Dead-lettered by the worker after one failed attempt: its record keeps the same key.
+        let doomed = Delivery::new(SCOPE, "evt-200", "t", b"bad").with_producer("gw-2");
+        assert!(matches!(inbox.receive(&doomed).unwrap(), Outcome::Received));
+        let mut worker = Worker::new(
+            Inbox::open(&path, Config::default()).unwrap(),
+            SCOPE,
+            WorkerConfig::default().max_attempts(1),
+        )
+        .unwrap();
+        worker
+            .run_once(&mut |_: &mut edge_inbox::Tx<'_>, _: &Delivery<'_>| {
+                Err(anyhow::anyhow!("refused"))
+            })
+            .unwrap();
+        assert!(matches!(
+            inbox.process(&doomed, ok).unwrap(),
+            Outcome::Duplicate
+        ));
+
+        // A sequence-watermark scope: the recent-sequence table stores the same key.
+        inbox
+            .set_retention("telemetry", &RetentionPolicy::new().sequence_watermarks(1))
+            .unwrap();
+        for seq in 1..=3u64 {
+            let id = format!("t-{seq}");
+            let d = Delivery::new("telemetry", &id, "t", b"v")
+                .with_producer("gw-1")
+                .with_sequence(seq);
+            assert!(matches!(inbox.process(&d, ok).unwrap(), Outcome::Processed));
+            assert!(matches!(inbox.process(&d, ok).unwrap(), Outcome::Duplicate));
+        }
+
+        // Every table that stores an identity key stores it in the file's layout.
+        let lengths: Vec<i64> = inbox
+            .connection()
+            .prepare(
+                "SELECT length(id_hash) FROM identities UNION SELECT length(id_hash) FROM messages \
+                 UNION SELECT length(id_hash) FROM conflicts UNION SELECT length(id_hash) FROM watermark_recent",
+            )
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(lengths, [16 + order.prefix_len() as i64], "{order:?}");
+        for table in ["messages", "conflicts", "watermark_recent"] {
+            let rows: i64 = inbox
+                .connection()
+                .query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))
+                .unwrap();
+            assert!(rows > 0, "{order:?}: no row in {table}");
+        }
+
         let ro = edge_inbox::open_read_only(&path).unwrap();
+        let found = inspect::identity(&ro, SCOPE, Some("gw-1"), "evt-7").unwrap();
+        assert_eq!(found.status, "recorded", "{order:?}");
+        assert_eq!(found.conflicts, 1, "{order:?}");
+        assert_eq!(found.id_hash, inbox.id_hash(Some("gw-1"), "evt-7").to_hex());
         let report = inspect::check(&ro, 10).unwrap();
         assert!(report.ok, "{order:?}: {:?}", report.problems);
         assert_eq!(report.id_order, order.name());
@@ -147,6 +205,41 @@ fn counter_keys_sort_by_number_within_a_producer() {
         })
         .collect();
     assert_eq!(keys(inbox.connection()), expected);
+}
+
+#[test]
+fn two_opens_of_a_new_file_with_different_layouts_agree_on_one() {
+    for round in 0..8 {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("inbox.db");
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let opens: Vec<_> = [IdOrder::Counter, IdOrder::Leading(4)]
+            .into_iter()
+            .map(|order| {
+                let (path, barrier) = (path.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    let mut inbox = Inbox::open(&path, Config::default().id_order(order)).unwrap();
+                    let id = format!("{order:?}-1");
+                    let d = Delivery::new(SCOPE, &id, "t", b"v");
+                    assert!(matches!(inbox.process(&d, ok).unwrap(), Outcome::Processed));
+                    inbox
+                })
+            })
+            .collect();
+        let mut inboxes: Vec<Inbox> = opens.into_iter().map(|t| t.join().unwrap()).collect();
+        let order = inboxes[0].id_key().order();
+        assert_eq!(inboxes[1].id_key().order(), order, "round {round}");
+        // Each sees the other's identity.
+        for (inbox, other) in [(0, IdOrder::Leading(4)), (1, IdOrder::Counter)] {
+            let id = format!("{other:?}-1");
+            let d = Delivery::new(SCOPE, &id, "t", b"v");
+            assert!(
+                matches!(inboxes[inbox].process(&d, ok).unwrap(), Outcome::Duplicate),
+                "round {round}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -227,6 +320,15 @@ fn a_file_whose_layout_this_version_does_not_know_is_refused() {
         Err(Error::InvalidArgument(msg)) => assert!(msg.contains("leading:40"), "{msg}"),
         other => panic!("{other:?}"),
     }
+    // The check still runs, and says what is wrong.
+    let report = inspect::check(&edge_inbox::open_read_only(&path).unwrap(), 10).unwrap();
+    assert!(!report.ok);
+    assert_eq!(report.id_order, "unknown");
+    assert!(
+        report.problems.iter().any(|p| p.contains("leading:40")),
+        "{:?}",
+        report.problems
+    );
 }
 
 /// WAL pages written by `batches` batches of 64 new ids after `history` earlier ones, one commit each.

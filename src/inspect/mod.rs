@@ -774,7 +774,14 @@ pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
     } else {
         Vec::new()
     };
-    let id_key = crate::store::schema::id_key(conn)?;
+    // A layout this version does not know is a problem of the file to report, not a reason to stop checking.
+    let (id_key, id_order) = match crate::store::schema::id_key(conn) {
+        Ok(key) => (key.kind(), key.order().name()),
+        Err(e) => {
+            problems.push(format!("the identity key cannot be read: {e}"));
+            ("unknown", "unknown".to_owned())
+        }
+    };
     let journal_mode: String = conn.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
     let auto_vacuum = match pragma_i64("auto_vacuum")? {
         0 => "none",
@@ -817,8 +824,8 @@ pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
         page_size: pragma_i64("page_size")?,
         page_count: pragma_i64("page_count")?,
         freelist_count: pragma_i64("freelist_count")?,
-        id_key: id_key.kind(),
-        id_order: id_key.order().name(),
+        id_key,
+        id_order,
         clock_warning,
         identities_implausible_day: u(identities_implausible_day),
     })

@@ -54,9 +54,9 @@ pub struct Watermark {
 
 /// How many of a producer's most recent sequences keep the identity that claimed them (in
 /// `watermark_recent`): a sequence that comes again within this window is compared with it, and a message id
-/// found there is recognised under any sequence. 128 rows of about 40 bytes per producer, plus an entry of
-/// about 35 bytes each in the message-id index: some 10 KiB per producer (`retention_bench`: 980 KiB for 100
-/// producers, 584 KiB before the index).
+/// found there is recognised under any sequence. 128 rows of about 40 bytes per producer (more by an identity
+/// order prefix, `Config::id_order`), plus an entry of about 35 bytes each in the message-id index: some
+/// 10 KiB per producer (`retention_bench`: 980 KiB for 100 producers, 584 KiB before the index).
 pub const SEQUENCE_WINDOW: u64 = 128;
 
 /// One numbered delivery to claim; see [`claim`].

@@ -124,6 +124,8 @@ fn record_key(key: &IdKey, identity: Option<&IdHash>, topic: &str, payload: &[u8
             None => update(&[0]),
             Some(id) => {
                 update(&[1]);
+                // No length prefix: every key of one file has the same length (its layout's), and a
+                // prefix now would change the record keys already stored.
                 update(id.as_bytes());
             }
         }
