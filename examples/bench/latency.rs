@@ -212,7 +212,7 @@ fn publish_paced(
         let mut props = PublishProperties::default();
         props
             .user_properties
-            .push(("message-id".into(), format!("{client_id}-{i}")));
+            .push(("message-id".into(), super::stream_id(client_id, i as u64)));
         client.publish_with_properties(topic, QoS::AtLeastOnce, false, payload, props)?;
     }
     poller.join().expect("publisher poll thread")?;

@@ -164,6 +164,10 @@ struct Args {
     /// `counter` or `leading:N`. The bench's ids end with a counter (`{prefix}-NNNNNNNN`, `{client}-N`).
     #[arg(long, value_name = "ORDER", value_parser = parse_id_order)]
     id_order: Option<edge_inbox::IdOrder>,
+    /// Table and latency: spread the timed message ids over this many interleaved streams, as from as many
+    /// producers (`{prefix}-sK-N`, K = i mod streams, N = i / streams), instead of one counter.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    id_streams: u64,
     /// The inboxes' `Config::wal_autocheckpoint`.
     #[arg(long, value_name = "PAGES")]
     wal_autocheckpoint: Option<u32>,
@@ -199,6 +203,17 @@ struct Args {
     /// e2e and latency: the `Consumer`'s `overlap_syncs`: `auto` (the default), `on` or `off`.
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "on", "off"])]
     overlap_syncs: String,
+}
+
+/// `--id-streams`.
+static ID_STREAMS: AtomicU64 = AtomicU64::new(1);
+
+/// The `i`th timed message id after `prefix`: one counter, or `--id-streams` counters interleaved.
+pub(crate) fn stream_id(prefix: &str, i: u64) -> String {
+    match ID_STREAMS.load(Ordering::Relaxed) {
+        1 => format!("{prefix}-{i:08}"),
+        s => format!("{prefix}-s{:04}-{:08}", i % s, i / s),
+    }
 }
 
 fn parse_id_order(name: &str) -> Result<edge_inbox::IdOrder, String> {
@@ -251,6 +266,13 @@ fn main() -> anyhow::Result<()> {
         config = config.checkpoint_thread(on);
     }
     set_inbox_config(config);
+    ID_STREAMS.store(args.id_streams, Ordering::Relaxed);
+    if args.id_streams > 1 {
+        println!(
+            "Timed message ids: {} interleaved streams.",
+            args.id_streams
+        );
+    }
     FRESH_WAL.store(args.fresh_wal, Ordering::Relaxed);
     #[cfg(feature = "mqtt")]
     e2e::set_broker_nagle(args.broker_nagle);

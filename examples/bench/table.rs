@@ -98,7 +98,7 @@ impl Row {
 
     /// The `n` message ids this row commits, `{prefix}-NNNNNNNN` in shape for it.
     fn ids(self, prefix: &str, n: usize) -> Vec<String> {
-        self.shape(ids(prefix, n))
+        self.shape((0..n as u64).map(|i| super::stream_id(prefix, i)).collect())
     }
 
     /// Ids that increase, as given, or for the random-id row UUIDv4-shaped ids drawn from them.
