@@ -331,6 +331,23 @@ fn a_file_whose_layout_this_version_does_not_know_is_refused() {
     );
 }
 
+#[test]
+fn a_file_that_lost_its_layout_is_refused_not_guessed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    drop(Inbox::open(&path, Config::default().id_order(IdOrder::Counter)).unwrap());
+    Connection::open(&path)
+        .unwrap()
+        .execute("DELETE FROM inbox_meta WHERE name = 'id_order'", [])
+        .unwrap();
+    match Inbox::open(&path, Config::default()) {
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("id_order"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    let report = inspect::check(&edge_inbox::open_read_only(&path).unwrap(), 10).unwrap();
+    assert!(!report.ok);
+}
+
 /// WAL pages written by `batches` batches of 64 new ids after `history` earlier ones, one commit each.
 fn wal_pages_per_batch(order: IdOrder, history: usize, batches: usize) -> f64 {
     let dir = tempfile::tempdir().unwrap();

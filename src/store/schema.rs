@@ -454,6 +454,12 @@ fn install_or_migrate(conn: &Connection, order: IdOrder) -> Result<()> {
 pub(crate) fn id_key(conn: &Connection) -> Result<IdKey> {
     let key = IdKey::from_stored(meta(conn, "id_key")?.as_deref());
     let order = match meta(conn, "id_order")? {
+        // From version 6 every file records its layout: guessing one for a file that lost the row could
+        // miss every stored identity and apply redeliveries again.
+        None if version(conn)? >= 6 => return Err(Error::InvalidArgument(
+            "the file records no identity order (inbox_meta 'id_order'): it was damaged or edited"
+                .into(),
+        )),
         None => IdOrder::Hashed,
         Some(name) => std::str::from_utf8(&name)
             .ok()
