@@ -119,6 +119,8 @@
 //! their range. The full keyed hash still follows, so identities are told apart exactly as well. The layout
 //! is stored in the file and kept for its life (`inboxctl check` shows `order`); the prefix costs its bytes
 //! in every identity row (12 for a counter), and it keeps that part of the id, or its number, in the file.
+//! A file of another layout than [`IdOrder::Hashed`] cannot be taken back to a build of schema version 5
+//! ([`downgrade_schema`], for a firmware rollback), which would search for its identities without the prefix.
 //!
 //! ```
 //! use edge_inbox::{Config, IdOrder, Inbox};
@@ -973,7 +975,9 @@ pub use crate::store::id_order::IdOrder;
 pub use crate::store::identity::{Delivery, Fingerprint, IdHash, IdKey, ID_KEY_LEN};
 pub use crate::store::outcome::{MessageState, Outcome, SequenceConflictCause, Status};
 pub use crate::store::records::QUARANTINE_PREFIX;
-pub use crate::store::schema::{open_read_only, SCHEMA_VERSION};
+pub use crate::store::schema::{
+    downgrade_schema, open_read_only, OLDEST_DOWNGRADE, SCHEMA_VERSION,
+};
 pub use crate::store::state::Tx;
 
 /// The rusqlite version this crate is built against, for handlers that use [`Tx::sql`].

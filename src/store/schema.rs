@@ -273,6 +273,90 @@ pub fn open_read_only(path: &Path) -> Result<Connection> {
     Ok(conn)
 }
 
+/// Oldest schema version [`downgrade_schema`] can take a file back to.
+pub const OLDEST_DOWNGRADE: i64 = 5;
+
+/// Takes the inbox file at `path` back to schema version `to`, so that an older build (a firmware rolled
+/// back) opens it instead of refusing it as too new ([`Error::SchemaTooNew`]). Stop every process that has
+/// the file open first: one that keeps running goes on at the version it opened.
+///
+/// Only what the older version can read the same way is taken back, so that no identity is lost:
+///
+/// - 6 to 5 removes the file's recorded identity layout (`inbox_meta` 'id_order'). Allowed only for
+///   [`IdOrder::Hashed`], the one layout version 5 knows; a file of another layout is refused with
+///   [`Error::InvalidArgument`], since version 5 would hash every id without the prefix, find none of the
+///   stored identities and apply redeliveries again.
+/// - Below [`OLDEST_DOWNGRADE`]: refused (those migrations rebuilt tables).
+///
+/// A file already at `to` is left as it is. The change is one write transaction, durable when this returns
+/// (`synchronous=FULL`). The next [`Inbox::open`](crate::Inbox::open) by this version migrates the file
+/// forward again.
+///
+/// ```no_run
+/// edge_inbox::downgrade_schema(std::path::Path::new("/data/inbox.db"), 5)?;
+/// # Ok::<(), edge_inbox::Error>(())
+/// ```
+pub fn downgrade_schema(path: &Path, to: i64) -> Result<()> {
+    if let Err(source) = std::fs::metadata(path) {
+        return Err(Error::Open {
+            path: path.to_owned(),
+            source,
+        });
+    }
+    let conn = connect(path, OpenFlags::SQLITE_OPEN_READ_WRITE, &Config::default())?;
+    if known_version(&conn, path)? == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{} holds no edge-inbox schema",
+            path.display()
+        )));
+    }
+    if !(OLDEST_DOWNGRADE..=SCHEMA_VERSION).contains(&to) {
+        return Err(Error::InvalidArgument(format!(
+            "schema version {to}: this version takes files back to versions {OLDEST_DOWNGRADE} to {SCHEMA_VERSION}"
+        )));
+    }
+    conn.execute_batch("PRAGMA synchronous = FULL; BEGIN IMMEDIATE")
+        .map_err(Error::from)?;
+    let result = (|| {
+        // Read again under the write lock: another process may have migrated the file meanwhile.
+        let mut version = version(&conn)?;
+        if version < to {
+            return Err(Error::InvalidArgument(format!(
+                "the file is at schema version {version}, below {to}: `Inbox::open` migrates it forward"
+            )));
+        }
+        while version > to {
+            match version {
+                6 => {
+                    let order = meta(&conn, "id_order")?;
+                    if order.as_deref() != Some(&b"hashed"[..]) {
+                        let order = order.map_or("no recorded layout".into(), |o| {
+                            format!("{:?}", String::from_utf8_lossy(&o))
+                        });
+                        return Err(Error::InvalidArgument(format!(
+                            "the file's identity keys have {order}: version 5 knows only \"hashed\" and \
+                             would find none of its identities"
+                        )));
+                    }
+                    conn.execute("DELETE FROM inbox_meta WHERE name = 'id_order'", [])?;
+                }
+                _ => unreachable!("versions below OLDEST_DOWNGRADE are refused above"),
+            }
+            log::info!(
+                "inbox schema taken back from version {version} to {}",
+                version - 1
+            );
+            version -= 1;
+        }
+        conn.execute_batch(&format!("PRAGMA user_version = {version}; COMMIT;"))?;
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = conn.execute_batch("ROLLBACK");
+    }
+    result
+}
+
 /// `PRAGMA user_version`, refusing a file that is not a database or was written by a newer version.
 fn known_version(conn: &Connection, path: &Path) -> Result<i64> {
     let version: i64 = conn

@@ -90,6 +90,14 @@ enum Command {
         #[arg(long, default_value_t = 100)]
         max_problems: usize,
     },
+    /// Take the file back to an older schema version, for a rollback to an older build (stop every process
+    /// using the file first). Refused when the older version would read the file otherwise (an identity
+    /// layout other than `hashed` for version 5). Writes.
+    Downgrade {
+        /// Schema version to take the file back to.
+        #[arg(long)]
+        to: i64,
+    },
     /// Write a table as JSON lines or as a CBOR sequence.
     Export {
         /// Which table.
@@ -324,6 +332,7 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
         Command::Requeue { seq, scope } => requeue(cli, path, *seq, scope.as_deref()),
         Command::Prune { apply, as_of } => prune(cli, path, *apply, *as_of),
         Command::Check { max_problems } => check(cli, path, *max_problems),
+        Command::Downgrade { to } => downgrade(cli, path, *to),
         Command::Export {
             table,
             format,
@@ -755,6 +764,25 @@ struct CheckDoc {
     #[serde(flatten)]
     report: inspect::CheckReport,
     files: FileSizes,
+}
+
+#[derive(Serialize)]
+struct DowngradeDoc {
+    from: i64,
+    to: i64,
+}
+
+fn downgrade(cli: &Cli, path: &Path, to: i64) -> anyhow::Result<ExitCode> {
+    let from: i64 = read_only(path)?.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    edge_inbox::downgrade_schema(path, to).map_err(|e| opening(path, e))?;
+    if cli.json {
+        print_json(&DowngradeDoc { from, to })?;
+    } else if from == to {
+        println!("schema version {to} already: nothing to do");
+    } else {
+        println!("schema version {from} -> {to}");
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn check(cli: &Cli, path: &Path, max_problems: usize) -> anyhow::Result<ExitCode> {
