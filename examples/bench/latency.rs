@@ -212,12 +212,18 @@ fn publish_paced(
         let mut props = PublishProperties::default();
         props
             .user_properties
-            .push(("message-id".into(), super::stream_id(client_id, i as u64)));
+            .push(("message-id".into(), timed_id(client_id, i as u64)));
         client.publish_with_properties(topic, QoS::AtLeastOnce, false, payload, props)?;
     }
     poller.join().expect("publisher poll thread")?;
     let _ = client.try_disconnect();
     Ok(())
+}
+
+/// The `i`th message id a run publishes: after the file's prefill in time (`--id-shape uuidv7`); the WAL's
+/// warm-up commits under a scope of its own.
+fn timed_id(client_id: &str, i: u64) -> String {
+    super::shaped_id(super::stream_id(client_id, i), super::HISTORY + i)
 }
 
 /// Which consumer a run measures.

@@ -168,6 +168,14 @@ struct Args {
     /// producers (`{prefix}-sK-N`, K = i mod streams, N = i / streams), instead of one counter.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     id_streams: u64,
+    /// Table and latency: the shape of every message id: `counter` (the default, ids that end with a counter)
+    /// or `uuidv7` (text UUIDv7 drawn from them, whose milliseconds advance at `--id-rate` ids a second of
+    /// each file's own history: the prefill's first, then the warm-up's, then the timed ones).
+    #[arg(long, value_name = "SHAPE", default_value = "counter", value_parser = ["counter", "uuidv7"])]
+    id_shape: String,
+    /// `--id-shape uuidv7`: ids per second of the ids' clock (a gateway's message rate, not the bench's).
+    #[arg(long, value_name = "N", default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    id_rate: u64,
     /// The inboxes' `Config::wal_autocheckpoint`.
     #[arg(long, value_name = "PAGES")]
     wal_autocheckpoint: Option<u32>,
@@ -214,6 +222,42 @@ pub(crate) fn stream_id(prefix: &str, i: u64) -> String {
         1 => format!("{prefix}-{i:08}"),
         s => format!("{prefix}-s{:04}-{:08}", i % s, i / s),
     }
+}
+
+/// `--id-shape uuidv7`'s `--id-rate`; 0 for ids that end with a counter.
+static UUID7_RATE: AtomicU64 = AtomicU64::new(0);
+
+/// The first slot after a file's history (its prefill), in [`shaped_id`]'s clock.
+pub(crate) const HISTORY: u64 = 1 << 32;
+
+/// 2026-01-01T00:00:00Z: the first slot's time under `--id-shape uuidv7`.
+const UUID7_EPOCH_MS: u64 = 1_767_225_600_000;
+
+/// `id` in the shape of `--id-shape`: as it is, or a text UUIDv7 drawn from it whose milliseconds are the
+/// `slot`th id's at `--id-rate` ids a second. Slots order a file's ids in time: the bench gives its prefill
+/// slots from 0, the rest from [`HISTORY`], in the order they are committed.
+pub(crate) fn shaped_id(id: String, slot: u64) -> String {
+    match UUID7_RATE.load(Ordering::Relaxed) {
+        0 => id,
+        rate => uuid_v7_like(&id, UUID7_EPOCH_MS + slot * 1000 / rate),
+    }
+}
+
+/// A UUIDv7 (RFC 9562) in text: `millis` in its first 48 bits, the rest drawn from `seed`.
+fn uuid_v7_like(seed: &str, millis: u64) -> String {
+    let r = xxhash_rust::xxh3::xxh3_128(seed.as_bytes());
+    let h = (u128::from(millis & 0xffff_ffff_ffff) << 80) | (r & ((1u128 << 80) - 1));
+    let h = (h & !(0xf << 76)) | (0x7 << 76); // version 7
+    let h = (h & !(0x3 << 62)) | (0x2 << 62); // RFC 9562 variant
+    let s = format!("{h:032x}");
+    format!(
+        "{}-{}-{}-{}-{}",
+        &s[..8],
+        &s[8..12],
+        &s[12..16],
+        &s[16..20],
+        &s[20..]
+    )
 }
 
 fn parse_id_order(name: &str) -> Result<edge_inbox::IdOrder, String> {
@@ -272,6 +316,13 @@ fn main() -> anyhow::Result<()> {
             "Timed message ids: {} interleaved streams.",
             args.id_streams
         );
+    }
+    if args.id_shape == "uuidv7" {
+        println!(
+            "Message ids: text UUIDv7, {} ids a second of each file's history.",
+            args.id_rate
+        );
+        UUID7_RATE.store(args.id_rate, Ordering::Relaxed);
     }
     FRESH_WAL.store(args.fresh_wal, Ordering::Relaxed);
     #[cfg(feature = "mqtt")]

@@ -96,9 +96,14 @@ impl Row {
         (total / slices / self.batch()).max(1) * self.batch()
     }
 
-    /// The `n` message ids this row commits, `{prefix}-NNNNNNNN` in shape for it.
-    fn ids(self, prefix: &str, n: usize) -> Vec<String> {
-        self.shape((0..n as u64).map(|i| super::stream_id(prefix, i)).collect())
+    /// The `n` message ids this row commits, `{prefix}-NNNNNNNN` in shape for it; the `i`th is committed
+    /// at `slot(i)` of its file's history (`--id-shape uuidv7`).
+    fn ids(self, prefix: &str, n: usize, slot: impl Fn(u64) -> u64) -> Vec<String> {
+        self.shape(
+            (0..n as u64)
+                .map(|i| super::shaped_id(super::stream_id(prefix, i), slot(i)))
+                .collect(),
+        )
     }
 
     /// Ids that increase, as given, or for the random-id row UUIDv4-shaped ids drawn from them.
@@ -213,7 +218,18 @@ impl Contender {
         let path = dir.join(format!("{row:?}-{round}.db"));
         let slice_len = row.slice_len(n, SLICES);
         let warm = WARM_UP.div_ceil(row.batch()).max(4) * row.batch();
-        let ids = row.ids(&format!("r{round}"), warm + slice_len * SLICES);
+        // In the order they are committed: the first warm-up chunk, the others, then the timed slices.
+        let (w, timed_from) = (
+            warm as u64,
+            HISTORY + (MAX_WARM_CHUNKS as u64 + 1) * warm as u64,
+        );
+        let ids = row.ids(&format!("r{round}"), warm + slice_len * SLICES, |i| {
+            if i < w {
+                HISTORY + i
+            } else {
+                timed_from + i - w
+            }
+        });
         let mut store = match row {
             Row::Fsync => Store::Fsync(Box::new(FsyncFile::create(&path)?)),
             Row::Raw1 | Row::Raw16 | Row::Raw256 => Store::Raw(Raw::open(&path, Sync::Full)?),
@@ -270,7 +286,8 @@ impl Contender {
                 }
                 // Before the timed ids in key order ('q' < 'r'): the classic rows keep appending to their
                 // index.
-                let more = row.ids(&format!("q{round}-{chunk:04}"), warm);
+                let first = HISTORY + (chunk * warm) as u64;
+                let more = row.ids(&format!("q{round}-{chunk:04}"), warm, |i| first + i);
                 c.run_ids(&more, !matches!(row, Row::Duplicate | Row::Conflict))
             })
             .with_context(|| format!("{row:?}: warm-up"))?;
@@ -400,11 +417,12 @@ fn fill(store: &mut Store, row: Row, round: usize, count: usize) -> anyhow::Resu
     Ok(())
 }
 
-/// `count` ids `{prefix}-NNNNNNNN` in chunks of 4096, one chunk per transaction of a prefill.
+/// `count` ids `{prefix}-NNNNNNNN` (in `--id-shape`, the file's first slots) in chunks of 4096, one chunk per
+/// transaction of a prefill.
 pub(crate) fn prefill_chunks(prefix: &str, count: usize) -> impl Iterator<Item = Vec<String>> + '_ {
     (0..count).step_by(4096).map(move |start| {
         (start..(start + 4096).min(count))
-            .map(|i| format!("{prefix}-{i:08}"))
+            .map(|i| super::shaped_id(format!("{prefix}-{i:08}"), i as u64))
             .collect()
     })
 }
