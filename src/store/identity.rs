@@ -278,38 +278,18 @@ impl IdHash {
             IdOrder::Counter => {
                 let (stem, number) = split_counter(message_id);
                 // Domain byte 2: never equal to the start of the identity's own encoding (0 or 1).
-                let stem_hash = match key.secret() {
-                    None => {
-                        let mut h = Xxh3Default::new();
-                        h.update(&[2]);
-                        feed(producer, stem, |b| h.update(b));
-                        h.digest()
-                    }
-                    Some(secret) => {
-                        let mut h = Xxh3::with_secret(*secret);
-                        h.update(&[2]);
-                        feed(producer, stem, |b| h.update(b));
-                        h.digest()
-                    }
-                }
-                .to_be_bytes();
+                let mut h = Stream::new(key);
+                h.update(&[2]);
+                feed(producer, stem, |b| h.update(b));
+                let stem_hash = h.digest64().to_be_bytes();
                 out.bytes[..4].copy_from_slice(&stem_hash[..4]);
                 out.bytes[4..12].copy_from_slice(&number.to_be_bytes());
                 12
             }
         };
-        let hash = match key.secret() {
-            None => {
-                let mut h = Xxh3Default::new();
-                feed(producer, message_id, |b| h.update(b));
-                h.digest128()
-            }
-            Some(secret) => {
-                let mut h = Xxh3::with_secret(*secret);
-                feed(producer, message_id, |b| h.update(b));
-                h.digest128()
-            }
-        };
+        let mut h = Stream::new(key);
+        feed(producer, message_id, |b| h.update(b));
+        let hash = h.digest128();
         out.bytes[at..at + 16].copy_from_slice(&hash.to_be_bytes());
         out.len = (at + 16) as u8;
         out
@@ -355,6 +335,43 @@ impl PartialOrd for IdHash {
 impl Ord for IdHash {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         self.as_bytes().cmp(other.as_bytes())
+    }
+}
+
+/// xxh3 under a database's [`IdKey`]: with its secret, or with xxh3's default one for an unkeyed database.
+enum Stream {
+    Unkeyed(Xxh3Default),
+    Keyed(Xxh3),
+}
+
+impl Stream {
+    fn new(key: &IdKey) -> Stream {
+        match key.secret() {
+            None => Stream::Unkeyed(Xxh3Default::new()),
+            Some(secret) => Stream::Keyed(Xxh3::with_secret(*secret)),
+        }
+    }
+
+    #[inline]
+    fn update(&mut self, bytes: &[u8]) {
+        match self {
+            Stream::Unkeyed(h) => h.update(bytes),
+            Stream::Keyed(h) => h.update(bytes),
+        }
+    }
+
+    fn digest64(&self) -> u64 {
+        match self {
+            Stream::Unkeyed(h) => h.digest(),
+            Stream::Keyed(h) => h.digest(),
+        }
+    }
+
+    fn digest128(&self) -> u128 {
+        match self {
+            Stream::Unkeyed(h) => h.digest128(),
+            Stream::Keyed(h) => h.digest128(),
+        }
     }
 }
 
@@ -431,6 +448,118 @@ mod tests {
         assert_ne!(a, IdHash::of(Some(""), "evt-42-created"));
         assert_ne!(IdHash::of(Some("a"), "bc"), IdHash::of(Some("ab"), "c"));
         assert_ne!(Fingerprint::of("a", b"bc"), Fingerprint::of("ab", b"c"));
+    }
+
+    /// Every stored key of three identities, under no key and under a fixed secret, in each layout: the bytes
+    /// files already hold. A change to any of them is a schema change.
+    #[test]
+    fn stored_keys_are_the_bytes_files_hold() {
+        let mut secret = [0u8; ID_KEY_LEN];
+        for (i, b) in secret.iter_mut().enumerate() {
+            *b = (i as u8).wrapping_mul(7).wrapping_add(3);
+        }
+        let ids = [
+            (None, "evt-42-created"),
+            (Some("gw-7"), "evt-000123"),
+            (Some(""), "0190a5d2-ac96-7def"),
+        ];
+        let golden: [(IdKey, IdOrder, [&str; 3]); 6] = [
+            (
+                IdKey::UNKEYED,
+                IdOrder::Hashed,
+                [
+                    "72dbdd478ae29bec8fa5cf92487d967b",
+                    "93b0130e338f885e14f9c34672a3573e",
+                    "138d7537e269f6fb44a6353ea9589350",
+                ],
+            ),
+            (
+                IdKey::UNKEYED,
+                IdOrder::Leading(8),
+                [
+                    "6576742d34322d6372dbdd478ae29bec8fa5cf92487d967b",
+                    "6576742d3030303193b0130e338f885e14f9c34672a3573e",
+                    "3031393061356432138d7537e269f6fb44a6353ea9589350",
+                ],
+            ),
+            (
+                IdKey::UNKEYED,
+                IdOrder::Counter,
+                [
+                    "0fd69632000000000000000072dbdd478ae29bec8fa5cf92487d967b",
+                    "69dc8810000000000000007b93b0130e338f885e14f9c34672a3573e",
+                    "55893f390000000000000000138d7537e269f6fb44a6353ea9589350",
+                ],
+            ),
+            (
+                IdKey::from_secret(secret),
+                IdOrder::Hashed,
+                [
+                    "eaee10ae7358bbe629024e4555d16782",
+                    "7e2ffb7043ca3dc63e25a4429f9897fd",
+                    "e1a4bf1b779d553304525b3e20cf2124",
+                ],
+            ),
+            (
+                IdKey::from_secret(secret),
+                IdOrder::Leading(8),
+                [
+                    "6576742d34322d63eaee10ae7358bbe629024e4555d16782",
+                    "6576742d303030317e2ffb7043ca3dc63e25a4429f9897fd",
+                    "3031393061356432e1a4bf1b779d553304525b3e20cf2124",
+                ],
+            ),
+            (
+                IdKey::from_secret(secret),
+                IdOrder::Counter,
+                [
+                    "b011fb900000000000000000eaee10ae7358bbe629024e4555d16782",
+                    "2f308ad0000000000000007b7e2ffb7043ca3dc63e25a4429f9897fd",
+                    "5db9bb3b0000000000000000e1a4bf1b779d553304525b3e20cf2124",
+                ],
+            ),
+        ];
+        for (key, order, hexes) in golden {
+            let key = key.with_order(order);
+            for ((producer, id), hex) in ids.iter().zip(hexes) {
+                let got = IdHash::keyed(&key, *producer, id);
+                assert_eq!(got.to_hex(), hex, "{key:?} {order:?} {producer:?} {id}");
+                // The same bytes from xxh3's one-shot functions over the encoding written out here: the
+                // streaming hashers and the encoding agree with their definition.
+                let encode = |domain: Option<u8>, id: &str| {
+                    let mut buf: Vec<u8> = domain.into_iter().collect();
+                    match producer {
+                        None => buf.push(0),
+                        Some(p) => {
+                            buf.push(1);
+                            buf.extend_from_slice(&(p.len() as u64).to_le_bytes());
+                            buf.extend_from_slice(p.as_bytes());
+                        }
+                    }
+                    buf.extend_from_slice(&(id.len() as u64).to_le_bytes());
+                    buf.extend_from_slice(id.as_bytes());
+                    buf
+                };
+                let hash = match key.secret() {
+                    None => xxhash_rust::xxh3::xxh3_128(&encode(None, id)),
+                    Some(s) => xxhash_rust::xxh3::xxh3_128_with_secret(&encode(None, id), s),
+                };
+                let prefix = order.prefix_len();
+                assert_eq!(&got.as_bytes()[prefix..], &hash.to_be_bytes());
+                if order == IdOrder::Counter {
+                    let (stem, number) = split_counter(id);
+                    let stem_hash = match key.secret() {
+                        None => xxhash_rust::xxh3::xxh3_64(&encode(Some(2), stem)),
+                        Some(s) => {
+                            xxhash_rust::xxh3::xxh3_64_with_secret(&encode(Some(2), stem), s)
+                        }
+                    };
+                    assert_eq!(&got.as_bytes()[..4], &stem_hash.to_be_bytes()[..4]);
+                    assert_eq!(&got.as_bytes()[4..12], &number.to_be_bytes());
+                }
+            }
+        }
+        assert_eq!(Fingerprint::of("orders/42", b"{}").0, 0x0798_343a_e646_0dbe);
     }
 
     #[test]
