@@ -31,8 +31,13 @@ const LOADS: [f64; 3] = [0.1, 0.5, 0.9];
 
 /// Nanoseconds since the first call: the one clock of publisher, relay and report.
 fn now_ns() -> u64 {
+    epoch().elapsed().as_nanos() as u64
+}
+
+/// The instant [`now_ns`] counts from.
+fn epoch() -> Instant {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
-    EPOCH.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    *EPOCH.get_or_init(Instant::now)
 }
 
 /// What one run saw at the relay, in nanoseconds of [`now_ns`]: per message its publish stamp, when the
@@ -241,6 +246,10 @@ struct Latencies {
     to_consumer: Vec<Duration>,
     /// The inbox's syncs of its WAL during the run (every connection's).
     wal_syncs: Vec<Duration>,
+    /// Beside `total`, when each message was published ([`now_ns`]).
+    published: Vec<u64>,
+    /// When the inbox's WAL started over during the run ([`now_ns`]).
+    wal_restarts: Vec<u64>,
 }
 
 /// One run: a fresh consumer (and for the inbox a fresh file) takes `n` messages offered at `rate`. Returns
@@ -257,6 +266,7 @@ fn run_one(
 ) -> anyhow::Result<(Latencies, f64, Written)> {
     let mut written = Written::now();
     let mut syncs_from = field_vfs::wal_sync_mark();
+    let mut restarts_from = Instant::now();
     let relay = Relay::start(broker.port)?;
     let topic = format!("bench/latency/{tag}");
     let client_id = format!("bench-latency-{tag}");
@@ -278,6 +288,7 @@ fn run_one(
                 }
                 written = Written::now();
                 syncs_from = field_vfs::wal_sync_mark();
+                restarts_from = Instant::now();
                 let mqtt = MqttConfig::new("127.0.0.1", relay.port, &client_id)
                     .subscribe(&topic)
                     .inflight(INFLIGHT);
@@ -319,6 +330,13 @@ fn run_one(
     })?;
     let written = Written::now().since(written);
     let wal_syncs = field_vfs::wal_syncs_since(syncs_from);
+    let wal_restarts = match kind {
+        Kind::Inbox => field_vfs::wal_headers_since(restarts_from)
+            .into_iter()
+            .map(|t| t.duration_since(epoch()).as_nanos() as u64)
+            .collect(),
+        Kind::Bare => Vec::new(),
+    };
     // The last PUBACK was written before the consumer returned; give the relay a moment to read it.
     let deadline = Instant::now() + Duration::from_secs(5);
     while relay.seen.lock().unwrap().acks.len() < n && Instant::now() < deadline {
@@ -347,6 +365,8 @@ fn run_one(
             .map(|&(p, d, _)| Duration::from_nanos(d.saturating_sub(p)))
             .collect(),
         wal_syncs,
+        published: kept.iter().map(|&(p, _, _)| p).collect(),
+        wal_restarts,
     };
     Ok((lat, achieved, written))
 }
@@ -408,6 +428,51 @@ fn level_label(level: usize) -> String {
     }
 }
 
+/// Where the `Consumer`'s slowest 1% at a load fell in time: how many were published from 60 ms before to
+/// 10 ms after one of the WAL's restarts (behind the catch-up that made it, and the new header's sync), and in
+/// how many bursts (publishes less than 20 ms apart). A tail made of a few large bursts beside restarts is
+/// the catch-ups' pauses; one spread over many small bursts is each delivery's own wait.
+fn tail_report(label: &str, timed: &mut [(u64, Duration)], restarts: &[u64]) {
+    if timed.is_empty() {
+        return;
+    }
+    timed.sort_unstable_by_key(|&(_, d)| d);
+    let from = timed[((timed.len() - 1) as f64 * 0.99).round() as usize].1;
+    let mut slow: Vec<u64> = timed
+        .iter()
+        .filter(|&&(_, d)| d >= from)
+        .map(|&(p, _)| p)
+        .collect();
+    slow.sort_unstable();
+    const MS: u64 = 1_000_000;
+    let near = slow
+        .iter()
+        .filter(|&&p| {
+            restarts
+                .iter()
+                .any(|&r| p + 60 * MS >= r && p <= r + 10 * MS)
+        })
+        .count();
+    let mut bursts = vec![1usize];
+    for w in slow.windows(2) {
+        if w[1] - w[0] < 20 * MS {
+            *bursts.last_mut().unwrap() += 1;
+        } else {
+            bursts.push(1);
+        }
+    }
+    bursts.sort_unstable_by(|a, b| b.cmp(a));
+    let largest: Vec<String> = bursts.iter().take(5).map(usize::to_string).collect();
+    println!(
+        "At {label}: the `Consumer`'s slowest 1% ({} deliveries, from {:.2} ms): {near} published from 60 ms before to 10 ms after one of the WAL's {} restarts; {} bursts (publishes < 20 ms apart), the largest {}",
+        slow.len(),
+        ms(from),
+        restarts.len(),
+        bursts.len(),
+        largest.join(", ")
+    );
+}
+
 fn pct(v: &mut [Duration], p: f64) -> Duration {
     v.sort_unstable();
     v[((v.len() - 1) as f64 * p).round() as usize]
@@ -453,6 +518,9 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
     let mut bytes = vec![(Written::default(), 0u64); 1 + LOADS.len()];
     // [level]: the inbox runs' syncs of the WAL, pooled over rounds.
     let mut wal_syncs: Vec<Vec<Duration>> = vec![Vec::new(); 1 + LOADS.len()];
+    // [level]: the inbox runs' (publish time, latency) and the WAL's restarts, pooled over rounds.
+    let mut timed: Vec<Vec<(u64, Duration)>> = vec![Vec::new(); 1 + LOADS.len()];
+    let mut restarts: Vec<Vec<u64>> = vec![Vec::new(); 1 + LOADS.len()];
     for round in 0..rounds {
         for (k, &kind) in kinds.iter().enumerate() {
             let (l, rate, w) = run_one(
@@ -480,6 +548,10 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
             for (k, &kind) in kinds.iter().enumerate() {
                 let tag = format!("{kind:?}-{}-{round}", (load * 100.0) as u32);
                 let (l, _, w) = run_one(dir, &broker, kind, &tag, n, rate, prefill)?;
+                if kind == Kind::Inbox {
+                    timed[1 + j].extend(l.published.iter().copied().zip(l.total.iter().copied()));
+                    restarts[1 + j].extend(l.wal_restarts.iter().copied());
+                }
                 lat[k][1 + j].extend(l.total);
                 to_consumer[k][1 + j].extend(l.to_consumer);
                 if kind == Kind::Inbox {
@@ -581,6 +653,13 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
         println!(
             "At 10% load, with those syncs: bare p99 + 2x the inbox's WAL sync p99 = {:.2} ms (for comparison; the target is the line above)",
             ms(b99 + s99 * 2)
+        );
+    }
+    for level in 1..=LOADS.len() {
+        tail_report(
+            &format!("{} load", level_label(level)),
+            &mut timed[level],
+            &restarts[level],
         );
     }
     Ok(())

@@ -29,6 +29,9 @@ static SYNCS: AtomicU64 = AtomicU64::new(0);
 static WAL_SYNC_TIMES: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 /// Kept at most (4 MiB): a long run keeps its first syncs' times.
 const WAL_SYNC_TIMES_CAP: usize = 1 << 20;
+/// When each WAL header was written (a new WAL, or one that started over), in order; kept at most
+/// [`WAL_SYNC_TIMES_CAP`].
+static WAL_HEADER_TIMES: Mutex<Vec<Instant>> = Mutex::new(Vec::new());
 
 thread_local! {
     static THREAD_DB_BYTES: Cell<u64> = const { Cell::new(0) };
@@ -116,6 +119,12 @@ pub fn wal_syncs_since(mark: usize) -> Vec<Duration> {
         .collect()
 }
 
+/// When each WAL header written at or after `since` was written: every start of a WAL over (and a new WAL).
+pub fn wal_headers_since(since: Instant) -> Vec<Instant> {
+    let times = WAL_HEADER_TIMES.lock().unwrap_or_else(|p| p.into_inner());
+    times.iter().copied().filter(|&t| t >= since).collect()
+}
+
 /// Bytes written since the process started: by SQLite to WAL and database files (through this VFS), and by
 /// the whole process to the block layer (`write_bytes` of `/proc/self/io`: page-cache pages dirtied, in
 /// whole 4 KiB pages; 0 where the file is not readable).
@@ -200,6 +209,10 @@ impl wrap_vfs::Observer for Field {
             WAL_BYTES.fetch_add(n, Ordering::Relaxed);
             if off == 0 {
                 THREAD_WAL_HEADERS.with(|h| h.set(h.get() + 1));
+                let mut times = WAL_HEADER_TIMES.lock().unwrap_or_else(|p| p.into_inner());
+                if times.len() < WAL_SYNC_TIMES_CAP {
+                    times.push(Instant::now());
+                }
             }
         } else {
             THREAD_DB_BYTES.with(|b| b.set(b.get() + n));
