@@ -191,6 +191,11 @@ pub(crate) struct RowBytes {
     inbox: bool,
     /// The most messages of warm-up a round gave this row.
     warmed: usize,
+    /// Inbox rows: bytes of the pages of the identity index in the file at the round's end, and its rows,
+    /// pooled over rounds.
+    index: (u64, u64),
+    /// Inbox rows: the file's identity layout.
+    layout: Option<edge_inbox::IdOrder>,
 }
 
 /// The handler of an inbox row, chosen at run time.
@@ -513,6 +518,18 @@ fn round(
         b.deliveries += (c.next - c.warm) as u64;
         b.inbox = matches!(c.store, Store::Inbox { .. });
         b.warmed = b.warmed.max(c.warmed);
+        if let Store::Inbox { inbox, .. } = &c.store {
+            // Every page of the index, leaves and interior, as the file holds them after the last checkpoint.
+            let (bytes, rows): (i64, i64) = inbox.connection().query_row(
+                "SELECT (SELECT sum(pgsize) FROM dbstat WHERE name = 'identities'), \
+                 (SELECT count(*) FROM identities)",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+            b.index.0 += bytes as u64;
+            b.index.1 += rows as u64;
+            b.layout = Some(inbox.id_key().order());
+        }
         eprintln!(
             "round {}: {:<56} {:>10.0} msg/s",
             round + 1,
@@ -639,6 +656,24 @@ pub(crate) fn table(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyh
     println!(
         "\nwarm-up, messages committed before the clock {until} (its file keeps their identities): {}",
         warmed.join(", ")
+    );
+    let index: Vec<String> = [Row::Process, Row::Batch16, Row::Batch256]
+        .iter()
+        .map(|&row| {
+            let (bytes, rows) = bytes[idx(row)].index;
+            format!(
+                "{} {:.1} ({rows} identities)",
+                short_or_label(row),
+                bytes as f64 / rows.max(1) as f64
+            )
+        })
+        .collect();
+    println!(
+        "\nidentity index, bytes of its pages per identity in the file at the end (layout {}): {}",
+        bytes[idx(Row::Process)]
+            .layout
+            .map_or("?".into(), |o| o.name()),
+        index.join(", ")
     );
     Ok(())
 }

@@ -109,7 +109,9 @@ pub enum Error {
         /// The path that was opened.
         path: PathBuf,
     },
-    /// The database was written by a newer edge-inbox whose schema this version cannot read.
+    /// The database was written by a newer edge-inbox whose schema this version cannot read. The newer
+    /// version's [`downgrade_schema`](crate::downgrade_schema) (`inboxctl downgrade`) takes a file back where
+    /// the older version reads it the same way.
     SchemaTooNew {
         /// `PRAGMA user_version` found in the file.
         found: i64,
