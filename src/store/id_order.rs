@@ -20,8 +20,11 @@ pub enum IdOrder {
     #[default]
     Hashed,
     /// The first `n` bytes of the message id (1 to 16, shorter ids padded with zero bytes) ahead of the hash:
-    /// for ids that begin with a time, such as UUIDv7 (`n` = 8: 32 bits of milliseconds, so the ids of
-    /// about a minute share a range), ULID or a timestamp.
+    /// for ids that begin with a time. Take the whole time field: 13 for a UUIDv7 in text (`0190a5d2-ac96`,
+    /// its 48 bits of milliseconds), 10 for a ULID in text, 6 for either in its 16 binary bytes. A shorter
+    /// prefix holds only the time's high part (8 bytes of a text UUIDv7: about a minute), and the ids of
+    /// one such span land at random among themselves: on a file with a million identities batches of 256
+    /// wrote 3-8 times the bytes they wrote with 13, and one delivery per commit about the same.
     Leading(u8),
     /// A decimal counter at the end of the id, such as `gw-7/evt-000123` or `4711`: 4 bytes of a keyed hash
     /// of the producer and of the id without its trailing digits, then those digits as a 64-bit number (the
