@@ -125,7 +125,8 @@
 //! ```
 //! use edge_inbox::{Config, IdOrder, Inbox};
 //! # let dir = tempfile::tempdir()?;
-//! // Ids such as `gw-7/evt-000123`: each producer's counter in a range of its own.
+//! // Ids such as `gw-7/evt-000123`: each producer's counter in a range of its own. For text UUIDv7 ids,
+//! // `IdOrder::Leading(13)`: their 48 bits of milliseconds.
 //! let inbox = Inbox::open(dir.path().join("inbox.db"), Config::default().id_order(IdOrder::Counter))?;
 //! assert_eq!(inbox.id_key().order(), IdOrder::Counter);
 //! # Ok::<(), Box<dyn std::error::Error>>(())

@@ -95,7 +95,7 @@ fn a_hashed_file_goes_back_to_version_5_as_that_version_made_it_and_comes_forwar
     let keys_before = keys(&path);
     assert_eq!(keys_before.len(), 4);
 
-    downgrade_schema(&path, 5).unwrap();
+    assert_eq!(downgrade_schema(&path, 5).unwrap(), 6);
     assert_eq!(user_version(&path), 5);
     assert!(
         !meta_names(&path).contains(&"id_order".to_string()),
@@ -112,8 +112,19 @@ fn a_hashed_file_goes_back_to_version_5_as_that_version_made_it_and_comes_forwar
     let keys_after = keys(&path);
     assert_eq!(keys_after, keys_before);
     assert!(keys_after.iter().all(|k| k.len() == 16));
-    // Taking it to the version it is at changes nothing.
-    downgrade_schema(&path, 5).unwrap();
+    // Taking it to the version it is at changes nothing: not a byte of the file or its WAL.
+    let files = |p: &Path| {
+        let wal = p.with_extension("db-wal");
+        (
+            std::fs::read(p).unwrap(),
+            std::fs::metadata(p).unwrap().modified().unwrap(),
+            std::fs::read(&wal).unwrap_or_default(),
+        )
+    };
+    let before = files(&path);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(downgrade_schema(&path, 5).unwrap(), 5);
+    assert_eq!(files(&path), before);
     assert_eq!(user_version(&path), 5);
 
     // This version migrates it forward again, and every identity and message is where it was.
@@ -193,6 +204,36 @@ fn versions_out_of_reach_and_missing_files_are_refused() {
         Err(Error::InvalidArgument(_))
     ));
     assert_eq!(std::fs::metadata(&empty).unwrap().len(), 0);
+    // Another application's database that happens to carry the same user_version.
+    let other = dir.path().join("other.db");
+    Connection::open(&other)
+        .unwrap()
+        .execute_batch("CREATE TABLE t (x); PRAGMA user_version = 6;")
+        .unwrap();
+    match downgrade_schema(&other, 5) {
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("no edge-inbox schema"), "{msg}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(user_version(&other), 6);
+}
+
+#[test]
+fn a_file_of_a_newer_version_is_refused_as_too_new() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    populate(&path, IdOrder::Hashed);
+    Connection::open(&path)
+        .unwrap()
+        .execute_batch(&format!(
+            "PRAGMA user_version = {}",
+            edge_inbox::SCHEMA_VERSION + 1
+        ))
+        .unwrap();
+    assert!(matches!(
+        downgrade_schema(&path, 5),
+        Err(Error::SchemaTooNew { .. })
+    ));
+    assert_eq!(user_version(&path), edge_inbox::SCHEMA_VERSION + 1);
 }
 
 #[test]

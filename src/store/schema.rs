@@ -288,15 +288,15 @@ pub const OLDEST_DOWNGRADE: i64 = 5;
 ///   stored identities and apply redeliveries again.
 /// - Below [`OLDEST_DOWNGRADE`]: refused (those migrations rebuilt tables).
 ///
-/// A file already at `to` is left as it is. The change is one write transaction, durable when this returns
-/// (`synchronous=FULL`). The next [`Inbox::open`](crate::Inbox::open) by this version migrates the file
-/// forward again.
+/// Returns the version the file was at. A file already at `to` is left as it is, unwritten. The change is
+/// one write transaction, durable when this returns (`synchronous=FULL`). The next
+/// [`Inbox::open`](crate::Inbox::open) by this version migrates the file forward again.
 ///
 /// ```no_run
 /// edge_inbox::downgrade_schema(std::path::Path::new("/data/inbox.db"), 5)?;
 /// # Ok::<(), edge_inbox::Error>(())
 /// ```
-pub fn downgrade_schema(path: &Path, to: i64) -> Result<()> {
+pub fn downgrade_schema(path: &Path, to: i64) -> Result<i64> {
     if let Err(source) = std::fs::metadata(path) {
         return Err(Error::Open {
             path: path.to_owned(),
@@ -304,11 +304,10 @@ pub fn downgrade_schema(path: &Path, to: i64) -> Result<()> {
         });
     }
     let conn = connect(path, OpenFlags::SQLITE_OPEN_READ_WRITE, &Config::default())?;
+    let no_schema =
+        || Error::InvalidArgument(format!("{} holds no edge-inbox schema", path.display()));
     if known_version(&conn, path)? == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "{} holds no edge-inbox schema",
-            path.display()
-        )));
+        return Err(no_schema());
     }
     if !(OLDEST_DOWNGRADE..=SCHEMA_VERSION).contains(&to) {
         return Err(Error::InvalidArgument(format!(
@@ -319,12 +318,27 @@ pub fn downgrade_schema(path: &Path, to: i64) -> Result<()> {
         .map_err(Error::from)?;
     let result = (|| {
         // Read again under the write lock: another process may have migrated the file meanwhile.
-        let mut version = version(&conn)?;
-        if version < to {
+        let found = version(&conn)?;
+        if found > SCHEMA_VERSION {
+            return Err(Error::SchemaTooNew {
+                found,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        if found < to {
             return Err(Error::InvalidArgument(format!(
-                "the file is at schema version {version}, below {to}: `Inbox::open` migrates it forward"
+                "the file is at schema version {found}, below {to}: `Inbox::open` migrates it forward"
             )));
         }
+        let has_meta: bool = conn.query_row(
+            "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'inbox_meta'",
+            [],
+            |r| r.get(0),
+        )?;
+        if !has_meta {
+            return Err(no_schema());
+        }
+        let mut version = found;
         while version > to {
             match version {
                 6 => {
@@ -340,7 +354,12 @@ pub fn downgrade_schema(path: &Path, to: i64) -> Result<()> {
                     }
                     conn.execute("DELETE FROM inbox_meta WHERE name = 'id_order'", [])?;
                 }
-                _ => unreachable!("versions below OLDEST_DOWNGRADE are refused above"),
+                // Ruled out by the range check above; refused rather than assumed.
+                _ => {
+                    return Err(Error::InvalidArgument(format!(
+                        "schema version {version} cannot be taken back by this version"
+                    )))
+                }
             }
             log::info!(
                 "inbox schema taken back from version {version} to {}",
@@ -348,11 +367,19 @@ pub fn downgrade_schema(path: &Path, to: i64) -> Result<()> {
             );
             version -= 1;
         }
-        conn.execute_batch(&format!("PRAGMA user_version = {version}; COMMIT;"))?;
-        Ok(())
+        if found == to {
+            // Nothing to change, and nothing written.
+            conn.execute_batch("ROLLBACK")?;
+        } else {
+            conn.execute_batch(&format!("PRAGMA user_version = {version}; COMMIT;"))?;
+        }
+        Ok(found)
     })();
-    if result.is_err() {
-        let _ = conn.execute_batch("ROLLBACK");
+    if result.is_err() && !conn.is_autocommit() {
+        if let Err(e) = conn.execute_batch("ROLLBACK") {
+            // Closing the connection below rolls back all the same.
+            log::warn!("downgrade: ROLLBACK failed: {e}");
+        }
     }
     result
 }

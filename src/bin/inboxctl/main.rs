@@ -773,8 +773,7 @@ struct DowngradeDoc {
 }
 
 fn downgrade(cli: &Cli, path: &Path, to: i64) -> anyhow::Result<ExitCode> {
-    let from: i64 = read_only(path)?.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-    edge_inbox::downgrade_schema(path, to).map_err(|e| opening(path, e))?;
+    let from = edge_inbox::downgrade_schema(path, to).map_err(|e| opening(path, e))?;
     if cli.json {
         print_json(&DowngradeDoc { from, to })?;
     } else if from == to {
