@@ -223,7 +223,8 @@ impl Contender {
         let path = dir.join(format!("{row:?}-{round}.db"));
         let slice_len = row.slice_len(n, SLICES);
         let warm = WARM_UP.div_ceil(row.batch()).max(4) * row.batch();
-        // In the order they are committed: the first warm-up chunk, the others, then the timed slices.
+        // Slots in the order the ids are committed: the first warm-up chunk, the others, then the timed
+        // slices (the redelivery rows commit all of theirs once before the prefill, then again in that order).
         let (w, timed_from) = (
             warm as u64,
             HISTORY + (MAX_WARM_CHUNKS as u64 + 1) * warm as u64,

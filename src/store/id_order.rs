@@ -20,9 +20,9 @@ pub enum IdOrder {
     #[default]
     Hashed,
     /// The first `n` bytes of the message id (1 to 16, shorter ids padded with zero bytes) ahead of the hash:
-    /// for ids that begin with a time. Take the whole time field: 13 for a UUIDv7 in text (`0190a5d2-ac96`,
-    /// its 48 bits of milliseconds), 10 for a ULID in text, 6 for either in its 16 binary bytes. A shorter
-    /// prefix holds only the time's high part (8 bytes of a text UUIDv7: about a minute), and the ids of
+    /// for ids that begin with a time. Take the whole time field: 13 for a UUIDv7 (`0190a5d2-ac96`, its 48
+    /// bits of milliseconds), 10 for a ULID (the same 48 bits in base 32, by its format; not measured). A
+    /// shorter prefix holds only the time's high part (8 bytes of a UUIDv7: about a minute), and the ids of
     /// one such span land at random among themselves: on a file with a million identities batches of 256
     /// wrote 3-8 times the bytes they wrote with 13, and one delivery per commit about the same.
     Leading(u8),
