@@ -76,14 +76,7 @@ fn populate(path: &Path, order: IdOrder) {
 }
 
 fn keys(path: &Path) -> Vec<Vec<u8>> {
-    Connection::open(path)
-        .unwrap()
-        .prepare("SELECT id_hash FROM identities ORDER BY scope_id, id_hash")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .collect::<rusqlite::Result<_>>()
-        .unwrap()
+    common::identity_keys(&Connection::open(path).unwrap())
 }
 
 #[test]

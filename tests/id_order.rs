@@ -1,25 +1,19 @@
 //! Identity layouts (`IdOrder`): chosen when a file is created, kept by the file, the same guarantee under
 //! each, and fewer pages written per batch on a file with history when ids grow with time.
 
+use common::identity_keys as keys;
 use edge_inbox::{
     inspect, Config, Delivery, Error, IdOrder, Inbox, Outcome, RetentionPolicy, Status, Worker,
     WorkerConfig,
 };
 use rusqlite::Connection;
 
+mod common;
+
 const SCOPE: &str = "orders";
 
 fn ok(_: &mut edge_inbox::Tx<'_>, _: &Delivery<'_>) -> anyhow::Result<()> {
     Ok(())
-}
-
-fn keys(conn: &Connection) -> Vec<Vec<u8>> {
-    conn.prepare("SELECT id_hash FROM identities ORDER BY scope_id, id_hash")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .collect::<rusqlite::Result<_>>()
-        .unwrap()
 }
 
 #[test]

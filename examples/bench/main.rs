@@ -248,7 +248,11 @@ fn uuid_v7_like(seed: &str, millis: u64) -> String {
     let r = xxhash_rust::xxh3::xxh3_128(seed.as_bytes());
     let h = (u128::from(millis & 0xffff_ffff_ffff) << 80) | (r & ((1u128 << 80) - 1));
     let h = (h & !(0xf << 76)) | (0x7 << 76); // version 7
-    let h = (h & !(0x3 << 62)) | (0x2 << 62); // RFC 9562 variant
+    uuid_text((h & !(0x3 << 62)) | (0x2 << 62)) // RFC 9562 variant
+}
+
+/// A UUID's 128 bits in its text form (8-4-4-4-12 lower-case hex digits).
+pub(crate) fn uuid_text(h: u128) -> String {
     let s = format!("{h:032x}");
     format!(
         "{}-{}-{}-{}-{}",

@@ -122,16 +122,7 @@ impl Row {
 fn uuid_v4_like(seed: &str) -> String {
     let h = xxhash_rust::xxh3::xxh3_128(seed.as_bytes());
     let h = (h & !(0xf << 76)) | (0x4 << 76); // version 4
-    let h = (h & !(0x3 << 62)) | (0x2 << 62); // RFC 4122 variant
-    let s = format!("{h:032x}");
-    format!(
-        "{}-{}-{}-{}-{}",
-        &s[..8],
-        &s[8..12],
-        &s[12..16],
-        &s[16..20],
-        &s[20..]
-    )
+    super::uuid_text((h & !(0x3 << 62)) | (0x2 << 62)) // RFC 4122 variant
 }
 
 /// Messages of warm-up per row, before the clock runs.

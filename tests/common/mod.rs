@@ -231,3 +231,13 @@ pub fn until_connected(
     }
     unreachable!()
 }
+
+/// Every identity key stored in the file on `conn`, in the index's order.
+pub fn identity_keys(conn: &rusqlite::Connection) -> Vec<Vec<u8>> {
+    conn.prepare("SELECT id_hash FROM identities ORDER BY scope_id, id_hash")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap()
+}
