@@ -330,13 +330,6 @@ fn run_one(
     })?;
     let written = Written::now().since(written);
     let wal_syncs = field_vfs::wal_syncs_since(syncs_from);
-    let wal_restarts: Vec<u64> = match kind {
-        Kind::Inbox => field_vfs::wal_headers_since(restarts_from)
-            .into_iter()
-            .map(|t| t.duration_since(epoch()).as_nanos() as u64)
-            .collect(),
-        Kind::Bare => Vec::new(),
-    };
     // The last PUBACK was written before the consumer returned; give the relay a moment to read it.
     let deadline = Instant::now() + Duration::from_secs(5);
     while relay.seen.lock().unwrap().acks.len() < n && Instant::now() < deadline {
@@ -358,10 +351,14 @@ fn run_one(
     // The WAL's restarts among the kept deliveries: the warm-up's own (its RESTART checkpoint makes the
     // run's first commit start the WAL over) falls before them.
     let first_kept = kept.first().map_or(0, |a| a.0);
-    let wal_restarts: Vec<u64> = wal_restarts
-        .into_iter()
-        .filter(|&r| r >= first_kept)
-        .collect();
+    let wal_restarts: Vec<u64> = match kind {
+        Kind::Inbox => field_vfs::wal_headers_since(restarts_from)
+            .into_iter()
+            .map(|t| t.duration_since(epoch()).as_nanos() as u64)
+            .filter(|&r| r >= first_kept)
+            .collect(),
+        Kind::Bare => Vec::new(),
+    };
     let lat = Latencies {
         total: kept
             .iter()

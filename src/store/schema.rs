@@ -253,24 +253,31 @@ pub(crate) fn open_for_checkpoints(path: &Path, config: &Config) -> Result<Conne
 
 /// Opens an existing inbox read-only (for inspection tools). Refuses a missing file or an unknown schema.
 pub fn open_read_only(path: &Path) -> Result<Connection> {
-    // The operating system's own reason (missing, or a directory on the way that cannot be searched), before
-    // SQLite's read-only open would report a generic "unable to open".
-    if let Err(source) = std::fs::metadata(path) {
-        return Err(Error::Open {
-            path: path.to_owned(),
-            source,
-        });
-    }
+    must_exist(path)?;
     let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags).map_err(|e| classify_open(e, path))?;
     let version = known_version(&conn, path)?;
     if version == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "{} holds no edge-inbox schema",
-            path.display()
-        )));
+        return Err(no_inbox_schema(path));
     }
     Ok(conn)
+}
+
+/// Refuses a path where nothing is, with the operating system's own reason (missing, or a directory on the
+/// way that cannot be searched), before SQLite would report a generic "unable to open" or create a file.
+fn must_exist(path: &Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Ok(_) => Ok(()),
+        Err(source) => Err(Error::Open {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// A database that holds no inbox schema.
+fn no_inbox_schema(path: &Path) -> Error {
+    Error::InvalidArgument(format!("{} holds no edge-inbox schema", path.display()))
 }
 
 /// Oldest schema version [`downgrade_schema`] can take a file back to.
@@ -297,17 +304,10 @@ pub const OLDEST_DOWNGRADE: i64 = 5;
 /// # Ok::<(), edge_inbox::Error>(())
 /// ```
 pub fn downgrade_schema(path: &Path, to: i64) -> Result<i64> {
-    if let Err(source) = std::fs::metadata(path) {
-        return Err(Error::Open {
-            path: path.to_owned(),
-            source,
-        });
-    }
+    must_exist(path)?;
     let conn = connect(path, OpenFlags::SQLITE_OPEN_READ_WRITE, &Config::default())?;
-    let no_schema =
-        || Error::InvalidArgument(format!("{} holds no edge-inbox schema", path.display()));
     if known_version(&conn, path)? == 0 {
-        return Err(no_schema());
+        return Err(no_inbox_schema(path));
     }
     if !(OLDEST_DOWNGRADE..=SCHEMA_VERSION).contains(&to) {
         return Err(Error::InvalidArgument(format!(
@@ -336,7 +336,7 @@ pub fn downgrade_schema(path: &Path, to: i64) -> Result<i64> {
             |r| r.get(0),
         )?;
         if !has_meta {
-            return Err(no_schema());
+            return Err(no_inbox_schema(path));
         }
         let mut version = found;
         while version > to {
