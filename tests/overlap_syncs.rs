@@ -3,8 +3,8 @@
 //! sync covering their commit is checked by cutting the power in `tests/power_loss.rs`, and after a failed
 //! sync in `tests/wal_sync_failure.rs`; here: that the overlap is used where it should be and not elsewhere
 //! (also when the sync time changes mid-stream), that acks and events still leave complete and in arrival
-//! order, at a stop and when the feed is dropped, and that acks waiting for a sync when their connection ends
-//! never leave on the next one.
+//! order, at a stop and when the feed is dropped, that a stop sends each sync's acks as it ends, and that acks
+//! waiting for a sync when their connection ends never leave on the next one.
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -74,11 +74,13 @@ impl wrap_vfs::Observer for SlowCard {
 /// The sync delay of `switching.db`, in microseconds (changed while its consumer runs).
 static SWITCHING_DELAY_US: AtomicU64 = AtomicU64::new(0);
 
-/// Every file's syncs take 3 ms more, but for two: `lost.db` 50 ms, so that its acks are still waiting when
-/// the connection ends, and `switching.db` what [`SWITCHING_DELAY_US`] says.
+/// Every file's syncs take 3 ms more, but for three: `lost.db` 50 ms, so that its acks are still waiting
+/// when the connection ends, `stopping.db` [`STOPPING_SYNC`], and `switching.db` what
+/// [`SWITCHING_DELAY_US`] says.
 fn delay_for(db: &str) -> Duration {
     match db {
         "lost.db" => Duration::from_millis(50),
+        "stopping.db" => STOPPING_SYNC,
         "switching.db" => Duration::from_micros(SWITCHING_DELAY_US.load(Ordering::Relaxed)),
         _ => Duration::from_millis(3),
     }
@@ -373,4 +375,75 @@ fn acks_waiting_for_a_sync_when_their_connection_ends_are_never_sent_on_the_next
         let n: Option<i64> = inbox.get(SCOPE, &id).unwrap();
         assert_eq!(n, Some(1), "{id} applied once");
     }
+}
+
+/// How long a sync of `stopping.db` takes: long beside a commit, so that a second batch commits while the
+/// first one's sync is under way.
+const STOPPING_SYNC: Duration = Duration::from_millis(200);
+
+/// PUBACKs with the time each was queued.
+#[derive(Clone, Default)]
+struct TimedAcks(Arc<Mutex<Vec<(u16, Instant)>>>);
+
+impl edge_inbox::PubAckSender for TimedAcks {
+    fn try_puback(&self, packet_id: u16) -> bool {
+        self.0.lock().unwrap().push((packet_id, Instant::now()));
+        true
+    }
+}
+
+#[test]
+fn a_stop_sends_each_syncs_acks_as_it_ends_not_all_after_the_last() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("stopping.db");
+    let inbox = Inbox::open(&path, slow_card()).unwrap();
+    let core = ConsumerCore::new(inbox, SCOPE)
+        .batch(4, Duration::from_millis(100))
+        .overlap_syncs(SyncOverlap::On);
+    let stop = core.stop_handle();
+    let mut seen = 0;
+    // The stop comes with the last delivery, as when an application stops after a known count: the loop
+    // then waits for the syncs of the two batches it committed.
+    let handler = move |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        bump(tx, d)?;
+        seen += 1;
+        if seen == 8 {
+            stop.stop();
+        }
+        Ok(())
+    };
+    let sent = TimedAcks::default();
+    let (mut feed, commits) = core.spawn(handler, sent.clone(), 1000).unwrap();
+    feed.connected(true).unwrap();
+    // Two full batches: the second commits while the first one's sync is under way, and waits for the
+    // sync after it.
+    for k in 0..4u16 {
+        publish(&mut feed, &format!("stop-{k}"), k + 1);
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while identities_in(&path) < 4 {
+        assert!(Instant::now() < deadline, "the first batch never committed");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    for k in 4..8u16 {
+        publish(&mut feed, &format!("stop-{k}"), k + 1);
+    }
+    let (_core, result) = commits.join();
+    let summary = result.unwrap();
+    assert_eq!(summary.processed, 8, "{summary:?}");
+    assert_eq!(summary.dropped_stale, 0, "{summary:?}");
+    assert_eq!(summary.batches, 2, "{summary:?}");
+    let acks = sent.0.lock().unwrap().clone();
+    let order: Vec<u16> = acks.iter().map(|&(id, _)| id).collect();
+    assert_eq!(
+        order,
+        (1..=8).collect::<Vec<u16>>(),
+        "PUBACKs in arrival order"
+    );
+    // The first batch's acks leave when its sync ends, about one sync before the second batch's.
+    let gap = acks[4].1 - acks[3].1;
+    assert!(
+        gap >= STOPPING_SYNC / 2,
+        "the first batch's PUBACKs left {gap:?} before the second's: held for the last sync"
+    );
 }

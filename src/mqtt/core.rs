@@ -983,25 +983,27 @@ impl ConsumerCore {
         Ok(())
     }
 
-    /// Waits (at most `timeout`) until the acks waiting for a sync are ready. After a failed sync whose
-    /// WAL could not be written out again (a stop gives up at once), the rest stay unacked.
-    pub(crate) fn finish_syncs(&mut self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            self.take_synced()?;
-            let Some(p) = &self.pipeline else {
-                return Ok(());
-            };
-            if p.sync.synced() >= p.last_request() || p.sync.failed().is_some() {
-                return Ok(());
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Ok(());
-            }
-            let last = p.last_request();
-            p.sync.wait(last, left.min(Duration::from_millis(100)));
+    /// Waits for the next sync to end (at most until `deadline`) and makes the acks it covers ready: the
+    /// commit loop queues them before it waits again, so a stop does not hold a batch's acks until the
+    /// last batch's sync. False once nothing waits for a sync, after a failed sync whose WAL could not be
+    /// written out again (a stop gives up at once: the rest stay unacked), or at the deadline.
+    pub(crate) fn await_sync(&mut self, deadline: Instant) -> Result<bool> {
+        self.take_synced()?;
+        let Some(p) = &self.pipeline else {
+            return Ok(false);
+        };
+        let synced = p.sync.synced();
+        if synced >= p.last_request() || p.sync.failed().is_some() {
+            return Ok(false);
         }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        p.sync
+            .wait(synced + 1, left.min(Duration::from_millis(100)));
+        self.take_synced()?;
+        Ok(true)
     }
 
     /// After a failed sync of the thread: the committing connection writes the whole WAL out again and

@@ -368,7 +368,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
             self.core.take_synced()?;
             acks_waiting = self.send_acks();
             if closed && self.core.unsettled() == 0 {
-                self.core.finish_syncs(STOP_WAIT)?;
+                self.finish_syncs()?;
                 self.send_acks();
                 return Ok(End::Closed);
             }
@@ -502,13 +502,23 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         false
     }
 
+    /// Waits (at most [`STOP_WAIT`]) for the syncs of the batches committed, queueing each sync's acks as
+    /// it ends.
+    fn finish_syncs(&mut self) -> Result<()> {
+        let deadline = Instant::now() + STOP_WAIT;
+        while self.core.await_sync(deadline)? {
+            self.send_acks();
+        }
+        Ok(())
+    }
+
     /// Before the loop ends: queues the acks still waiting for room, for at most [`STOP_WAIT`]. The limit of
     /// the budget is lifted meanwhile: the side that drains rumqttc's channel may be waiting for room in it,
     /// and nothing is committed any more to make room. What arrives meanwhile is not committed: left unacked
     /// for the broker to redeliver, and dropped rather than held.
     fn finish_acks(&mut self) -> Result<()> {
         let started = Instant::now();
-        self.core.finish_syncs(STOP_WAIT)?;
+        self.finish_syncs()?;
         self.budget.lend();
         let result = loop {
             if !self.send_acks() {
