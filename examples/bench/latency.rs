@@ -289,37 +289,45 @@ fn run_one(
                 written = Written::now();
                 syncs_from = field_vfs::wal_sync_mark();
                 restarts_from = Instant::now();
+                super::tail_trace::begin();
                 let mqtt = MqttConfig::new("127.0.0.1", relay.port, &client_id)
                     .subscribe(&topic)
                     .inflight(INFLIGHT);
-                s.spawn(move || {
-                    // Default batching; the idle exit only bounds a run that lost deliveries.
-                    let mut consumer = Consumer::new(inbox, super::SCOPE, mqtt)
-                        .overlap_syncs(super::overlap_syncs())
-                        .exit_when_idle(Duration::from_secs(30));
-                    let stop = consumer.stop_handle();
-                    let mut seen = 0usize;
-                    let handler = |tx: &mut Tx<'_>, _d: &Delivery<'_>| -> anyhow::Result<()> {
-                        seen += 1;
-                        tx.put("counter", &(seen as u64))?;
-                        if seen == n {
-                            stop.stop();
-                        }
+                // Named: its commits show under this name in `--trace-tail`'s timelines.
+                std::thread::Builder::new()
+                    .name("consumer".into())
+                    .spawn_scoped(s, move || {
+                        // Default batching; the idle exit only bounds a run that lost deliveries.
+                        let mut consumer = Consumer::new(inbox, super::SCOPE, mqtt)
+                            .overlap_syncs(super::overlap_syncs())
+                            .exit_when_idle(Duration::from_secs(30));
+                        let stop = consumer.stop_handle();
+                        let mut seen = 0usize;
+                        let handler = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+                            if let Some(stamp) = d.payload.get(..8) {
+                                let stamp = u64::from_le_bytes(stamp.try_into()?);
+                                super::tail_trace::handled(stamp, now_ns());
+                            }
+                            seen += 1;
+                            tx.put("counter", &(seen as u64))?;
+                            if seen == n {
+                                stop.stop();
+                            }
+                            Ok(())
+                        };
+                        let waker = std::thread::spawn(move || {
+                            std::thread::sleep(Duration::from_millis(300));
+                            let _ = ready_tx.send(());
+                        });
+                        let summary = consumer.run(handler);
+                        let _ = waker.join();
+                        let summary = summary?;
+                        anyhow::ensure!(
+                            summary.processed == n as u64 && summary.acked == n as u64,
+                            "consumer: {summary:?}, expected {n} processed and acked"
+                        );
                         Ok(())
-                    };
-                    let waker = std::thread::spawn(move || {
-                        std::thread::sleep(Duration::from_millis(300));
-                        let _ = ready_tx.send(());
-                    });
-                    let summary = consumer.run(handler);
-                    let _ = waker.join();
-                    let summary = summary?;
-                    anyhow::ensure!(
-                        summary.processed == n as u64 && summary.acked == n as u64,
-                        "consumer: {summary:?}, expected {n} processed and acked"
-                    );
-                    Ok(())
-                })
+                    })?
             }
         };
         ready_rx
@@ -350,6 +358,15 @@ fn run_one(
     let kept = &acks[n / 10..];
     // The WAL's restarts among the kept deliveries: the warm-up's own (its RESTART checkpoint makes the
     // run's first commit start the WAL over) falls before them.
+    if kind == Kind::Inbox {
+        let to_ns = |t: Instant| t.duration_since(epoch()).as_nanos() as u64;
+        if let Some(path) = super::tail_trace::finish(tag, kept, to_ns)? {
+            println!(
+                "{tag}: timeline around the slowest delivery in {}",
+                path.display()
+            );
+        }
+    }
     let first_kept = kept.first().map_or(0, |a| a.0);
     let wal_restarts: Vec<u64> = match kind {
         Kind::Inbox => field_vfs::wal_headers_since(restarts_from)

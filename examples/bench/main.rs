@@ -45,6 +45,8 @@ mod instructions;
 mod latency;
 mod race;
 mod table;
+#[cfg(feature = "mqtt")]
+mod tail_trace;
 
 use allocations::{allocations, trace_allocations};
 use instructions::{instructions, wal_frames};
@@ -208,6 +210,10 @@ struct Args {
     /// once: a gateway's steady state.
     #[arg(long)]
     fresh_wal: bool,
+    /// `--mode latency`: writes, for each run of the `Consumer`, the timeline around its slowest delivery
+    /// (deliveries, and the writes and syncs of the WAL and the database file by thread) to a file in DIR.
+    #[arg(long, value_name = "DIR")]
+    trace_tail: Option<PathBuf>,
     /// e2e and latency: the `Consumer`'s `overlap_syncs`: `auto` (the default), `on` or `off`.
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "on", "off"])]
     overlap_syncs: String,
@@ -329,6 +335,10 @@ fn main() -> anyhow::Result<()> {
         UUID7_RATE.store(args.id_rate, Ordering::Relaxed);
     }
     FRESH_WAL.store(args.fresh_wal, Ordering::Relaxed);
+    #[cfg(feature = "mqtt")]
+    if let Some(dir) = &args.trace_tail {
+        tail_trace::set_dir(dir.clone())?;
+    }
     #[cfg(feature = "mqtt")]
     e2e::set_broker_nagle(args.broker_nagle);
     #[cfg(feature = "mqtt")]

@@ -12,7 +12,7 @@
 
 use std::cell::Cell;
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -33,7 +33,40 @@ const WAL_SYNC_TIMES_CAP: usize = 1 << 20;
 /// [`WAL_SYNC_TIMES_CAP`].
 static WAL_HEADER_TIMES: Mutex<Vec<Instant>> = Mutex::new(Vec::new());
 
+/// Whether [`Field`] records its calls in [`TRACE`] ([`start_trace`]).
+static TRACING: AtomicBool = AtomicBool::new(false);
+/// The calls recorded since [`start_trace`], in order; kept at most [`TRACE_CAP`].
+static TRACE: Mutex<Vec<Traced>> = Mutex::new(Vec::new());
+const TRACE_CAP: usize = 1 << 21;
+/// The names of the threads the trace numbers, by number.
+static THREADS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// One call of SQLite's into the VFS, recorded while tracing.
+#[derive(Clone, Copy, Debug)]
+pub struct Traced {
+    pub at: Instant,
+    /// The calling thread: an index into the names [`take_trace`] returns.
+    pub thread: u32,
+    /// A WAL file's (or else a database file's).
+    pub wal: bool,
+    pub call: Call,
+}
+
+/// What the call was.
+#[derive(Clone, Copy, Debug)]
+pub enum Call {
+    Write { bytes: u32 },
+    SyncBegins,
+    SyncEnds { took: Duration },
+}
+
 thread_local! {
+    /// This thread's number in [`THREADS`].
+    static THREAD_NO: u32 = {
+        let mut names = THREADS.lock().unwrap_or_else(|p| p.into_inner());
+        names.push(std::thread::current().name().unwrap_or("unnamed").to_owned());
+        (names.len() - 1) as u32
+    };
     static THREAD_DB_BYTES: Cell<u64> = const { Cell::new(0) };
     static THREAD_SYNC: Cell<Duration> = const { Cell::new(Duration::ZERO) };
     static THREAD_LOCK_WAIT: Cell<Duration> = const { Cell::new(Duration::ZERO) };
@@ -125,6 +158,37 @@ pub fn wal_headers_since(since: Instant) -> Vec<Instant> {
     times.iter().copied().filter(|&t| t >= since).collect()
 }
 
+/// Starts recording every write and sync of WAL and database files (the trace of an earlier start is
+/// dropped).
+pub fn start_trace() {
+    TRACE.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    TRACING.store(true, Ordering::SeqCst);
+}
+
+/// Stops recording; the calls recorded since [`start_trace`], and the names of the threads they number.
+pub fn take_trace() -> (Vec<Traced>, Vec<String>) {
+    TRACING.store(false, Ordering::SeqCst);
+    let calls = std::mem::take(&mut *TRACE.lock().unwrap_or_else(|p| p.into_inner()));
+    let names = THREADS.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    (calls, names)
+}
+
+fn trace(wal: bool, call: Call) {
+    if !TRACING.load(Ordering::Relaxed) {
+        return;
+    }
+    let thread = THREAD_NO.with(|n| *n);
+    let mut trace = TRACE.lock().unwrap_or_else(|p| p.into_inner());
+    if trace.len() < TRACE_CAP {
+        trace.push(Traced {
+            at: Instant::now(),
+            thread,
+            wal,
+            call,
+        });
+    }
+}
+
 /// Bytes written since the process started: by SQLite to WAL and database files (through this VFS), and by
 /// the whole process to the block layer (`write_bytes` of `/proc/self/io`: page-cache pages dirtied, in
 /// whole 4 KiB pages; 0 where the file is not readable).
@@ -205,6 +269,12 @@ impl wrap_vfs::Observer for Field {
 
     fn write(&self, tag: usize, off: u64, data: &[u8]) {
         let n = data.len() as u64;
+        trace(
+            tag == WAL,
+            Call::Write {
+                bytes: data.len() as u32,
+            },
+        );
         if tag == WAL {
             WAL_BYTES.fetch_add(n, Ordering::Relaxed);
             if off == 0 {
@@ -221,6 +291,7 @@ impl wrap_vfs::Observer for Field {
     }
 
     fn sync(&self, tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
+        trace(tag == WAL, Call::SyncBegins);
         let started = Instant::now();
         let rc = real();
         if rc == ffi::SQLITE_OK {
@@ -228,6 +299,7 @@ impl wrap_vfs::Observer for Field {
             after_sync();
         }
         let took = started.elapsed();
+        trace(tag == WAL, Call::SyncEnds { took });
         THREAD_SYNC.with(|t| t.set(t.get() + took));
         if rc == ffi::SQLITE_OK && tag == WAL {
             let mut times = WAL_SYNC_TIMES.lock().unwrap_or_else(|p| p.into_inner());
