@@ -11,7 +11,8 @@
 //! mosquitto it starts on a free 127.0.0.1 port: the MQTT `Consumer` with batches of 1 and 256 against a
 //! bare consumer that acks on receipt; `--n` messages per row; `--e2e-batches 256` for one size),
 //! `latency` (publish-to-PUBACK latency of the default `Consumer` and the bare consumer at 10%, 50% and 90%
-//! of the saturation rate, beside the disk's fsync time; `--n` messages per run). `--instructions KIND`
+//! of the saturation rate, beside the disk's fsync time; `--n` messages per run; `--trace-tail DIR` writes the
+//! timeline around each run's slowest delivery). `--instructions KIND`
 //! does `--n` deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is `raw`,
 //! `classic`, `process`, `process-noop`, `raw256` or `batch256`.
 //!
