@@ -67,9 +67,18 @@ impl wrap_vfs::Observer for SlowCard {
         }
         let rc = real();
         std::thread::sleep(delay);
+        if std::thread::current().name() == Some(SYNC_THREAD) {
+            let db = SYNC_THREAD_SYNCS.lock().unwrap()[tag].0.clone();
+            if db == "stopping.db" {
+                STOPPING_SYNC_ENDS.lock().unwrap().push(Instant::now());
+            }
+        }
         rc
     }
 }
+
+/// When each sync of `stopping.db` by the sync thread returned.
+static STOPPING_SYNC_ENDS: Mutex<Vec<Instant>> = Mutex::new(Vec::new());
 
 /// The sync delay of `switching.db`, in microseconds (changed while its consumer runs).
 static SWITCHING_DELAY_US: AtomicU64 = AtomicU64::new(0);
@@ -398,7 +407,7 @@ fn a_stop_sends_each_syncs_acks_as_it_ends_not_all_after_the_last() {
     let path = dir.path().join("stopping.db");
     let inbox = Inbox::open(&path, slow_card()).unwrap();
     let core = ConsumerCore::new(inbox, SCOPE)
-        .batch(4, Duration::from_millis(100))
+        .batch(4, Duration::from_secs(1))
         .overlap_syncs(SyncOverlap::On);
     let stop = core.stop_handle();
     let mut seen = 0;
@@ -440,10 +449,17 @@ fn a_stop_sends_each_syncs_acks_as_it_ends_not_all_after_the_last() {
         (1..=8).collect::<Vec<u16>>(),
         "PUBACKs in arrival order"
     );
-    // The first batch's acks leave when its sync ends, about one sync before the second batch's.
-    let gap = acks[4].1 - acks[3].1;
+    // The second batch's PUBACKs only after the sync that made it durable, the sync thread's last; the
+    // first batch's when its own sync ended, before that one.
+    let last_sync = *STOPPING_SYNC_ENDS
+        .lock()
+        .unwrap()
+        .last()
+        .expect("the sync thread synced stopping.db");
+    assert!(acks[4].1 >= last_sync, "a PUBACK before its sync");
     assert!(
-        gap >= STOPPING_SYNC / 2,
-        "the first batch's PUBACKs left {gap:?} before the second's: held for the last sync"
+        acks[3].1 < last_sync,
+        "the first batch's PUBACKs were held until the second batch's sync ended ({:?} after it)",
+        acks[3].1 - last_sync
     );
 }
