@@ -360,7 +360,7 @@ fn run_one(
     // run's first commit start the WAL over) falls before them.
     if kind == Kind::Inbox {
         let to_ns = |t: Instant| t.duration_since(epoch()).as_nanos() as u64;
-        if let Some(path) = super::tail_trace::finish(tag, kept, to_ns)? {
+        if let Some(path) = super::tail_trace::finish(tag, &acks, kept, to_ns)? {
             println!(
                 "{tag}: timeline around the slowest delivery in {}",
                 path.display()

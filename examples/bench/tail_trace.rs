@@ -47,11 +47,13 @@ pub(crate) fn handled(stamp: u64, now: u64) {
     }
 }
 
-/// Ends the recording of a run and writes its timeline; `acks` are (publish, relay read, PUBACK read) per
-/// delivery, `ns` turns an instant into the bench's nanoseconds. The file written, if tracing.
+/// Ends the recording of a run and writes its timeline around the slowest of `kept`; `acks` are (publish,
+/// relay read, PUBACK read) of every delivery of the run (those of the warm-up show in the window too), `ns`
+/// turns an instant into the bench's nanoseconds. The file written, if tracing.
 pub(crate) fn finish(
     name: &str,
     acks: &[(u64, u64, u64)],
+    kept: &[(u64, u64, u64)],
     ns: impl Fn(Instant) -> u64,
 ) -> anyhow::Result<Option<PathBuf>> {
     let Some(dir) = DIR.get() else {
@@ -62,7 +64,7 @@ pub(crate) fn finish(
         std::mem::take(&mut *HANDLED.lock().unwrap())
             .into_iter()
             .collect();
-    let Some(&(p, _, a)) = acks.iter().max_by_key(|&&(p, _, a)| a.saturating_sub(p)) else {
+    let Some(&(p, _, a)) = kept.iter().max_by_key(|&&(p, _, a)| a.saturating_sub(p)) else {
         return Ok(None);
     };
     let (from, to) = (p.saturating_sub(BEFORE_NS), a + AFTER_NS);
@@ -167,10 +169,20 @@ fn vfs_lines(
                     None => open.push(next),
                 }
             }
-            Call::SyncBegins => lines.push((
-                t,
-                format!("{}: sync of the {} begins", who(c.thread), file(c.wal)),
-            )),
+            Call::SyncBegins => {
+                // A thread's sync ends its run of writes: the next ones are another transaction's.
+                open.retain(|r| {
+                    let done = r.thread == c.thread;
+                    if done {
+                        lines.push(line(r));
+                    }
+                    !done
+                });
+                lines.push((
+                    t,
+                    format!("{}: sync of the {} begins", who(c.thread), file(c.wal)),
+                ));
+            }
             Call::SyncEnds { took } => lines.push((
                 t,
                 format!(

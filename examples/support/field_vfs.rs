@@ -35,9 +35,10 @@ static WAL_HEADER_TIMES: Mutex<Vec<Instant>> = Mutex::new(Vec::new());
 
 /// Whether [`Field`] records its calls in [`TRACE`] ([`start_trace`]).
 static TRACING: AtomicBool = AtomicBool::new(false);
-/// The calls recorded since [`start_trace`], in order; kept at most [`TRACE_CAP`].
+/// The calls recorded since [`start_trace`], in order; kept at most [`TRACE_CAP`], room for which is made
+/// before the trace starts (no reallocation inside a VFS call).
 static TRACE: Mutex<Vec<Traced>> = Mutex::new(Vec::new());
-const TRACE_CAP: usize = 1 << 21;
+const TRACE_CAP: usize = 1 << 19;
 /// The names of the threads the trace numbers, by number.
 static THREADS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
@@ -161,14 +162,20 @@ pub fn wal_headers_since(since: Instant) -> Vec<Instant> {
 /// Starts recording every write and sync of WAL and database files (the trace of an earlier start is
 /// dropped).
 pub fn start_trace() {
-    TRACE.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    let mut trace = TRACE.lock().unwrap_or_else(|p| p.into_inner());
+    trace.clear();
+    trace.reserve_exact(TRACE_CAP);
     TRACING.store(true, Ordering::SeqCst);
 }
 
 /// Stops recording; the calls recorded since [`start_trace`], and the names of the threads they number.
 pub fn take_trace() -> (Vec<Traced>, Vec<String>) {
     TRACING.store(false, Ordering::SeqCst);
-    let calls = std::mem::take(&mut *TRACE.lock().unwrap_or_else(|p| p.into_inner()));
+    let mut trace = TRACE.lock().unwrap_or_else(|p| p.into_inner());
+    // A copy: the recording keeps its room for the next trace.
+    let calls = trace.clone();
+    trace.clear();
+    drop(trace);
     let names = THREADS.lock().unwrap_or_else(|p| p.into_inner()).clone();
     (calls, names)
 }
