@@ -2,7 +2,8 @@
 //! delivery, written to `DIR/<run>.txt`: every delivery published in the window (when the relay read it, when
 //! the handler ran in its batch's transaction, when the relay read its PUBACK), and every write and sync
 //! SQLite made to the WAL and the database file meanwhile, by thread (the commit thread's transactions, the
-//! sync thread's and the checkpoint thread's syncs). What a slow delivery waited for can be read off it.
+//! sync thread's and the checkpoint thread's syncs). What a slow delivery waited for can be read off it. A
+//! write is timed when it returned; a sync when it began and when it ended.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
