@@ -340,6 +340,15 @@ fn identities_in(path: &std::path::Path) -> i64 {
         .unwrap()
 }
 
+/// Waits until the file at `path` holds `n` identities (the first batch's); fails the test after 20 s.
+fn first_batch_committed(path: &std::path::Path, n: i64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while identities_in(path) < n {
+        assert!(Instant::now() < deadline, "the first batch never committed");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 #[test]
 fn acks_waiting_for_a_sync_when_their_connection_ends_are_never_sent_on_the_next() {
     let dir = tempfile::tempdir().unwrap();
@@ -355,11 +364,7 @@ fn acks_waiting_for_a_sync_when_their_connection_ends_are_never_sent_on_the_next
     for k in 0..8u16 {
         publish(&mut feed, &format!("lost-{k}"), k + 1);
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while identities_in(&path) < 8 {
-        assert!(Instant::now() < deadline, "the first batch never committed");
-        std::thread::sleep(Duration::from_micros(200));
-    }
+    first_batch_committed(&path, 8);
     feed.because("network down").lost(|| {}).unwrap();
     // The broker redelivers the eight under new packet ids, and sends eight more.
     feed.connected(true).unwrap();
@@ -429,11 +434,7 @@ fn a_stop_sends_each_syncs_acks_as_it_ends_not_all_after_the_last() {
     for k in 0..4u16 {
         publish(&mut feed, &format!("stop-{k}"), k + 1);
     }
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while identities_in(&path) < 4 {
-        assert!(Instant::now() < deadline, "the first batch never committed");
-        std::thread::sleep(Duration::from_micros(200));
-    }
+    first_batch_committed(&path, 4);
     for k in 4..8u16 {
         publish(&mut feed, &format!("stop-{k}"), k + 1);
     }
