@@ -356,8 +356,6 @@ fn run_one(
     let mut acks = acks;
     acks.sort_unstable();
     let kept = &acks[n / 10..];
-    // The WAL's restarts among the kept deliveries: the warm-up's own (its RESTART checkpoint makes the
-    // run's first commit start the WAL over) falls before them.
     if kind == Kind::Inbox {
         let to_ns = |t: Instant| t.duration_since(epoch()).as_nanos() as u64;
         if let Some(path) = super::tail_trace::finish(tag, &acks, kept, to_ns)? {
@@ -367,6 +365,8 @@ fn run_one(
             );
         }
     }
+    // The WAL's restarts among the kept deliveries: the warm-up's own (its RESTART checkpoint makes the
+    // run's first commit start the WAL over) falls before them.
     let first_kept = kept.first().map_or(0, |a| a.0);
     let wal_restarts: Vec<u64> = match kind {
         Kind::Inbox => field_vfs::wal_headers_since(restarts_from)
