@@ -195,3 +195,84 @@ fn a_device_without_wear_figures_reports_none() {
         entry.display()
     );
 }
+
+/// Commits identities `from..to` in batches of 1000, each with a payload, to make a file of some MiB quickly.
+fn fill(inbox: &mut Inbox, from: usize, to: usize) {
+    let ids: Vec<String> = (from..to).map(|i| format!("fill-{i}")).collect();
+    let payload = [7u8; 64];
+    for chunk in ids.chunks(1000) {
+        let ds: Vec<Delivery<'_>> = chunk
+            .iter()
+            .map(|id| Delivery::new("wear", id, "t/1", &payload))
+            .collect();
+        let outcomes = inbox.process_batch(&ds, bump).unwrap();
+        assert!(outcomes.iter().all(|o| matches!(o, Outcome::Processed)));
+    }
+}
+
+/// A file of about 6 MiB, closed (its WAL copied back and removed), then written again as a new file in
+/// one write: the page cache then holds it the way it holds a file read in sequence (a backup, a scan,
+/// readahead after a boot), in large folios on kernels that have them (ext4 since Linux 6.16 or so).
+fn file_cached_in_large_folios(path: &Path) {
+    let mut inbox = Inbox::open(path, Config::default()).unwrap();
+    fill(&mut inbox, 0, 150_000);
+    drop(inbox);
+    assert_eq!(FileSizes::of(path).wal_bytes, 0, "closed cleanly");
+    let bytes = std::fs::read(path).unwrap();
+    assert!(bytes.len() > 4 << 20, "{} bytes", bytes.len());
+    let copy = path.with_extension("copy");
+    std::fs::write(&copy, &bytes).unwrap();
+    std::fs::File::open(&copy).unwrap().sync_all().unwrap();
+    std::fs::rename(&copy, path).unwrap();
+}
+
+/// What a checkpoint counts can never exceed the pages of the frames it had to copy: the kernel's
+/// `write_bytes` counts a whole folio each time one turns dirty, so on a file held in large folios a 4 KiB
+/// page written into it counted as up to 2 MiB.
+fn assert_checkpoint_bytes_within_the_frames(
+    before: &edge_inbox::BytesWritten,
+    after: &edge_inbox::BytesWritten,
+) {
+    let copied = after.checkpoint_bytes - before.checkpoint_bytes;
+    let frames = (after.wal_bytes - before.wal_bytes) / FRAME;
+    assert!(copied > 0, "a checkpoint ran: {before:?} {after:?}");
+    assert_eq!(copied % PAGE, 0, "whole pages: {copied}");
+    assert!(
+        copied <= frames * PAGE,
+        "{copied} bytes counted for checkpoints of {frames} frames ({} bytes of pages)",
+        frames * PAGE
+    );
+}
+
+#[test]
+fn checkpoint_bytes_of_a_file_in_large_folios_are_its_pages_in_the_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    file_cached_in_large_folios(&path);
+    let config = Config::default()
+        .wal_autocheckpoint(20)
+        .checkpoint_thread(false);
+    let mut inbox = Inbox::open(&path, config).unwrap();
+    let before = inbox.bytes_written().unwrap();
+    deliver(&mut inbox, 0, 300);
+    let after = inbox.bytes_written().unwrap();
+    assert_checkpoint_bytes_within_the_frames(&before, &after);
+}
+
+#[test]
+fn checkpoint_bytes_of_a_file_in_large_folios_are_its_pages_on_the_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    file_cached_in_large_folios(&path);
+    let mut inbox = Inbox::open(&path, Config::default().wal_autocheckpoint(20)).unwrap();
+    let before = inbox.bytes_written().unwrap();
+    deliver(&mut inbox, 0, 300);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while inbox.bytes_written().unwrap().checkpoint_bytes == before.checkpoint_bytes
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let after = inbox.bytes_written().unwrap();
+    assert_checkpoint_bytes_within_the_frames(&before, &after);
+}

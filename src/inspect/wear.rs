@@ -24,11 +24,11 @@ pub struct BytesWritten {
     /// WAL frames (page plus frame header) appended by commits: exact for each connection.
     pub wal_bytes: u64,
     /// Bytes the inbox's checkpoints (the automatic one, and a prune's between its steps) wrote into the
-    /// database file: on Linux what the kernel
-    /// accounted to the checkpointing thread (`write_bytes`, whole 4 KiB pages of the page cache, which is what
-    /// reaches the device); elsewhere the pages SQLite backfilled, an upper bound (a page changed in several
-    /// frames of one WAL is written once). Other checkpoints (the one that ends a retention pass, the last
-    /// connection closing) are not counted.
+    /// database file. On Linux: the pages the checkpointing thread wrote (its write calls), each once however
+    /// many frames held it; with pages smaller than 4 KiB, the 4 KiB blocks of the page cache they dirtied
+    /// (what reaches the device), at most one per page. Elsewhere the pages SQLite backfilled, an upper
+    /// bound (a page changed in several frames of one WAL is written once). Other checkpoints (the one that
+    /// ends a retention pass, the last connection closing) are not counted.
     pub checkpoint_bytes: u64,
 }
 

@@ -54,6 +54,7 @@ use std::time::{Duration, Instant};
 
 use rusqlite::{ffi, Connection};
 
+use crate::store::checkpoint_bytes::{bytes_copied, ThreadIo};
 use crate::store::config::Config;
 use crate::store::error::Result;
 use crate::store::schema::install_busy_handler;
@@ -448,7 +449,7 @@ impl Thread {
         generation: u64,
         f: impl FnOnce(&mut Thread) -> Copy,
     ) -> Copy {
-        let before = thread_write_bytes();
+        let before = ThreadIo::now();
         let c = f(self);
         if c.database_unsynced {
             shared.database_unsynced.store(true, Ordering::SeqCst);
@@ -599,26 +600,8 @@ pub(crate) unsafe fn wal_checkpoint(
     (rc, i64::from(log.max(0)), i64::from(done.max(0)))
 }
 
-/// Bytes a checkpoint wrote into the database file: the thread's `write_bytes` since `before`, or, where
-/// the kernel does not report it, the `frames` it copied back times the page size (an upper bound).
-pub(crate) fn bytes_copied(before: Option<u64>, frames: i64, page_size: u64) -> u64 {
-    match (before, thread_write_bytes()) {
-        (Some(b), Some(a)) => a.saturating_sub(b),
-        _ => frames.max(0) as u64 * page_size,
-    }
-}
-
 /// The connection's page size, for the byte counts.
 pub(crate) fn page_size(conn: &Connection) -> u64 {
     conn.query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))
         .map_or(4096, |p| p.max(512) as u64)
-}
-
-/// Bytes this thread has caused to be written to storage (`write_bytes` of `/proc/thread-self/io`: page-cache
-/// pages it dirtied); `None` where the kernel does not report it.
-pub(crate) fn thread_write_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/thread-self/io").ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("write_bytes:"))
-        .and_then(|v| v.trim().parse().ok())
 }

@@ -2,6 +2,7 @@
 //! primitives and clock, errors, configuration, identities, outcomes and the handler's [`Tx`](state::Tx). It
 //! imports nothing from the layers above it.
 
+pub(crate) mod checkpoint_bytes;
 pub(crate) mod checkpointer;
 pub(crate) mod config;
 pub(crate) mod db;

@@ -2,11 +2,9 @@
 //! the connection's WAL hook after each commit anyway, and the pager already counts the pages it wrote
 //! (`SQLITE_DBSTATUS_CACHE_WRITE`, a field read, no system call). Installing a WAL hook replaces SQLite's
 //! automatic checkpoint, so the hook runs that checkpoint itself, at the same threshold and in the same
-//! (PASSIVE) mode, and counts what it wrote to the database file: on Linux the thread's `write_bytes` from
-//! `/proc/thread-self/io` across the checkpoint (two reads per checkpoint, none per commit), since SQLite
-//! only reports the WAL frames it backfilled, and a page changed by many commits is in many frames but
-//! written once (measured: frames overstated the database file's writes 60 times over on a small file).
-//! Without that file, the frames backfilled stand in, an upper bound.
+//! (PASSIVE) mode, and counts what it wrote to the database file from the thread's I/O counters across the
+//! checkpoint ([`checkpoint_bytes`](crate::store::checkpoint_bytes): two reads per checkpoint, none per
+//! commit).
 //!
 //! The counts live in memory and are added to `inbox_meta` (names [`WAL_BYTES`] and [`CHECKPOINT_BYTES`])
 //! inside the first commit after a checkpoint ran, and when the connection closes: one small page in a
@@ -19,9 +17,8 @@ use std::time::Duration;
 
 use rusqlite::{ffi, Connection};
 
-use crate::store::checkpointer::{
-    bytes_copied, page_size, thread_write_bytes, wal_checkpoint, Shared, RESTART_WAIT,
-};
+use crate::store::checkpoint_bytes::{bytes_copied, ThreadIo};
+use crate::store::checkpointer::{page_size, wal_checkpoint, Shared, RESTART_WAIT};
 use crate::store::schema::install_busy_handler;
 use crate::store::wal_sync::{pages_written, pages_written_by};
 
@@ -246,7 +243,7 @@ impl Wear {
         name: *const c_char,
         mode: c_int,
     ) -> Option<u64> {
-        let before = thread_write_bytes();
+        let before = ThreadIo::now();
         // SAFETY: a valid open handle and schema name (SQLite's own in the hook); what its default hook does.
         let (rc, _, done) = unsafe { wal_checkpoint(db, name, mode) };
         if rc & 0xff == ffi::SQLITE_IOERR {
