@@ -12,7 +12,8 @@
 //! bare consumer that acks on receipt; `--n` messages per row; `--e2e-batches 256` for one size),
 //! `latency` (publish-to-PUBACK latency of the default `Consumer` and the bare consumer at 10%, 50% and 90%
 //! of the saturation rate, beside the disk's fsync time; `--n` messages per run; `--trace-tail DIR` writes the
-//! timeline around each run's slowest delivery). `--instructions KIND`
+//! timeline around each run's slowest delivery), `disk` (the device alone: 4 KiB syncs in a loop for
+//! `--seconds`, and how often one stalls). `--instructions KIND`
 //! does `--n` deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is `raw`,
 //! `classic`, `process`, `process-noop`, `raw256` or `batch256`.
 //!
@@ -39,6 +40,7 @@ use common::*;
 mod field_vfs;
 
 mod allocations;
+mod disk;
 #[cfg(feature = "mqtt")]
 mod e2e;
 mod instructions;
@@ -215,6 +217,9 @@ struct Args {
     /// (deliveries, and the writes and syncs of the WAL and the database file by thread) to a file in DIR.
     #[arg(long, value_name = "DIR")]
     trace_tail: Option<PathBuf>,
+    /// `--mode disk`: how long to sync in a loop.
+    #[arg(long, value_name = "S", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    seconds: u64,
     /// e2e and latency: the `Consumer`'s `overlap_syncs`: `auto` (the default), `on` or `off`.
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "on", "off"])]
     overlap_syncs: String,
@@ -293,6 +298,8 @@ enum Mode {
     E2e,
     /// Publish-to-PUBACK latency at 10%, 50% and 90% of the saturation rate, beside the disk's fsync time.
     Latency,
+    /// The device alone: syncs in a loop for `--seconds`, and how often they stall.
+    Disk,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -385,6 +392,9 @@ fn main() -> anyhow::Result<()> {
         )?;
         #[cfg(not(feature = "mqtt"))]
         println!("--mode e2e needs the `mqtt` feature");
+    }
+    if mode == Mode::Disk {
+        disk::run(dir.path(), args.seconds)?;
     }
     if mode == Mode::Latency {
         #[cfg(feature = "mqtt")]
