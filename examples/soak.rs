@@ -275,6 +275,7 @@ fn main() -> anyhow::Result<()> {
     // Before any database opens: every connection goes through it (bytes are counted always).
     field_vfs::install(Duration::from_millis(args.sync_delay_ms));
     let written = field_vfs::Written::now();
+    let device_before = field_vfs::device_bytes(&std::env::temp_dir());
     let deadline = Instant::now() + Duration::from_secs(args.minutes * 60);
     let repeats = plan(args.count).filter(|(_, r)| *r).count() as u64;
     let distinct = args.count - repeats;
@@ -493,9 +494,17 @@ fn main() -> anyhow::Result<()> {
     let deliveries = (s.processed + s.duplicates).max(1);
     let (wal, dbw, block) = w.per(deliveries);
     let counted = inbox.bytes_written()?;
+    let device = match (
+        device_before,
+        field_vfs::device_bytes(&std::env::temp_dir()),
+    ) {
+        (Some(b), Some(a)) => format!("{:.0} B", a.saturating_sub(b) as f64 / deliveries as f64),
+        _ => "unknown".into(),
+    };
     println!(
         "written per delivery (sync +{} ms): WAL {wal:.0} B, database file {dbw:.0} B, block layer {block:.0} B, \
-         {:.3} syncs (consumer and pruner); the inbox counted {} B of WAL and {} B of checkpoints in all",
+         {:.3} syncs (consumer and pruner); the inbox counted {} B of WAL and {} B of checkpoints in all; \
+         the device holding the files wrote {device} per delivery (every process, file system journal included)",
         args.sync_delay_ms,
         w.syncs as f64 / deliveries as f64,
         counted.wal_bytes,
