@@ -196,26 +196,31 @@ fn a_device_without_wear_figures_reports_none() {
     );
 }
 
-/// Commits identities `from..to` in batches of 1000, each with a payload, to make a file of some MiB quickly.
-fn fill(inbox: &mut Inbox, from: usize, to: usize) {
-    let ids: Vec<String> = (from..to).map(|i| format!("fill-{i}")).collect();
-    let payload = [7u8; 64];
-    for chunk in ids.chunks(1000) {
+/// Commits `count` deliveries in batches of 100, each storing a 3 KB value under a key of its own: a file of
+/// some MiB in a few commits (quick under an emulator too).
+fn fill(inbox: &mut Inbox, count: usize) {
+    let ids: Vec<String> = (0..count).map(|i| format!("fill-{i}")).collect();
+    let value = "v".repeat(3000);
+    let mut store = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        tx.put(d.message_id, &value)?;
+        Ok(())
+    };
+    for chunk in ids.chunks(100) {
         let ds: Vec<Delivery<'_>> = chunk
             .iter()
-            .map(|id| Delivery::new("wear", id, "t/1", &payload))
+            .map(|id| Delivery::new("wear", id, "t/1", b"payload"))
             .collect();
-        let outcomes = inbox.process_batch(&ds, bump).unwrap();
+        let outcomes = inbox.process_batch(&ds, &mut store).unwrap();
         assert!(outcomes.iter().all(|o| matches!(o, Outcome::Processed)));
     }
 }
 
 /// A file of about 6 MiB, closed (its WAL copied back and removed), then written again as a new file in
 /// one write: the page cache then holds it the way it holds a file read in sequence (a backup, a scan,
-/// readahead after a boot), in large folios on kernels that have them (ext4 since Linux 6.16 or so).
+/// readahead after a boot), in large folios on kernels that have them (ext4 on recent Linux).
 fn file_cached_in_large_folios(path: &Path) {
     let mut inbox = Inbox::open(path, Config::default()).unwrap();
-    fill(&mut inbox, 0, 150_000);
+    fill(&mut inbox, 2000);
     drop(inbox);
     assert_eq!(FileSizes::of(path).wal_bytes, 0, "closed cleanly");
     let bytes = std::fs::read(path).unwrap();

@@ -7,7 +7,7 @@
 //! write calls) across it is those pages. The kernel's `write_bytes` is not: it counts page-cache memory as it
 //! turns dirty, a whole folio at a time, and kernels that cache a file in large folios (ext4 on recent Linux)
 //! do so for a file read in sequence (a backup, a scan, readahead after a boot). There one 4 KiB page written
-//! counted as its whole folio, up to megabytes: 62 times the pages copied in `tests/wear.rs`. It serves only
+//! counted as its whole folio, up to megabytes: 96 times the pages copied in `tests/wear.rs`. It serves only
 //! for pages smaller than a 4 KiB block, which the device writes whole, and only between its bounds: at least
 //! the pages written, at most one block for each.
 
