@@ -201,7 +201,7 @@ fn a_device_without_wear_figures_reports_none() {
 fn fill(inbox: &mut Inbox, count: usize) {
     let ids: Vec<String> = (0..count).map(|i| format!("fill-{i}")).collect();
     let value = "v".repeat(3000);
-    let mut store = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+    let store = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
         tx.put(d.message_id, &value)?;
         Ok(())
     };
@@ -210,7 +210,7 @@ fn fill(inbox: &mut Inbox, count: usize) {
             .iter()
             .map(|id| Delivery::new("wear", id, "t/1", b"payload"))
             .collect();
-        let outcomes = inbox.process_batch(&ds, &mut store).unwrap();
+        let outcomes = inbox.process_batch(&ds, store).unwrap();
         assert!(outcomes.iter().all(|o| matches!(o, Outcome::Processed)));
     }
 }
