@@ -649,8 +649,8 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
         ms(b99 + f99 * 2)
     );
     // The probe writes 4 KiB per sync; the inbox's syncs carry its commits' pages, so they may take longer.
-    // A device that stalls now and then (the benchmark machine's virtual disk: a loop doing nothing but syncs
-    // saw syncs of 20-175 ms a few times a minute) shows in the max and in the count of slow syncs, not the p99.
+    // A device that stalls now and then (the benchmark machine's virtual disk: `--mode disk` saw one sync of
+    // 251 ms in five minutes) shows in the max and in the count of slow syncs, not in the p99.
     let mut line = String::from(
         "The inbox's own syncs of its WAL (every connection's, simulated delay included), p50 / p99 / max ms (syncs, of them over 10 ms + the delay):",
     );

@@ -197,8 +197,9 @@ fn trace(wal: bool, call: Call) {
 }
 
 /// Bytes written since the process started: by SQLite to WAL and database files (through this VFS), and by
-/// the whole process to the block layer (`write_bytes` of `/proc/self/io`: page-cache pages dirtied, in
-/// whole 4 KiB pages; 0 where the file is not readable).
+/// the whole process to the block layer (`write_bytes` of `/proc/self/io`: page cache turned dirty, a folio
+/// at a time, which is 4 KiB for files written in small pieces as SQLite writes them; see [`device_bytes`]
+/// for a check; 0 where the file is not readable).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Written {
     pub wal: u64,

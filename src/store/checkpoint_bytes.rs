@@ -5,11 +5,14 @@
 //! frames but written once (frames overstated the database file's writes 60 times over on a small file). The
 //! checkpoint writes each page it copies once, in one write call, so `wchar` (the bytes the thread passed to
 //! write calls) across it is those pages. The kernel's `write_bytes` is not: it counts page-cache memory as it
-//! turns dirty, a whole folio at a time, and kernels that cache a file in large folios (ext4 on recent Linux)
-//! do so for a file read in sequence (a backup, a scan, readahead after a boot). There one 4 KiB page written
-//! counted as its whole folio, up to megabytes: 96 times the pages copied in `tests/wear.rs`. It serves only
-//! for pages smaller than a 4 KiB block, which the device writes whole, and only between its bounds: at least
-//! the pages written, at most one block for each.
+//! turns dirty, a whole folio at a time, and recent kernels (ext4 here) cache a file written in large writes
+//! (a copy, a restore) in folios of up to megabytes, one read in sequence in smaller ones. There one 4 KiB page
+//! written counted as its whole folio: 96 times the pages of the frames written in `tests/wear.rs`. It serves
+//! only for pages smaller than a 4 KiB block, which the device writes whole, and only between its bounds: at
+//! least the pages written, at most one block for each.
+//!
+//! A VFS that writes the database file through a memory map (`SQLITE_MMAP_READWRITE` in a system SQLite), or
+//! from another thread, makes no write call here: the count is then 0.
 
 /// The unit the page cache and the file system write a file's data in.
 const BLOCK: u64 = 4096;
