@@ -324,8 +324,9 @@ fn prune_outbox_deletes_only_sent_rows_older_than_asked() {
         [],
     )
     .unwrap();
+    // A minute ahead: "older than nothing" below must not catch them when the clock's second turns.
     conn.execute(
-        "UPDATE outbox SET state = 1, sent_at = unixepoch() WHERE seq IN (3, 4)",
+        "UPDATE outbox SET state = 1, sent_at = unixepoch() + 60 WHERE seq IN (3, 4)",
         [],
     )
     .unwrap();
@@ -338,7 +339,7 @@ fn prune_outbox_deletes_only_sent_rows_older_than_asked() {
     assert_eq!(inbox.prune_outbox(Duration::ZERO).unwrap(), 0);
     inbox
         .connection()
-        .execute("UPDATE outbox SET sent_at = sent_at - 5", [])
+        .execute("UPDATE outbox SET sent_at = sent_at - 65", [])
         .unwrap();
     assert_eq!(inbox.prune_outbox(Duration::ZERO).unwrap(), 2);
     assert_eq!(inbox.outbox_backlog().unwrap().pending, 6);
