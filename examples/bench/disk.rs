@@ -1,8 +1,8 @@
 //! `--mode disk`: the device alone, with nothing of the inbox running. One 4 KiB block rewritten in place and
 //! synced (`fdatasync`), over and over for `--seconds`: the distribution of the syncs, and every sync slower
 //! than 10 ms (plus `--sync-delay-ms`) with its time into the run. The latency mode's probe (1000 syncs, a
-//! fraction of a second) rarely meets a stall that comes a few times a minute; this loop shows how often the
-//! device itself stalls, which no consumer can hide.
+//! fraction of a second) rarely meets a stall that comes once in minutes; this loop shows how often the device
+//! itself stalls, which no consumer can hide.
 
 use std::path::Path;
 use std::time::{Duration, Instant};

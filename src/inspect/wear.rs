@@ -26,9 +26,10 @@ pub struct BytesWritten {
     /// Bytes the inbox's checkpoints (the automatic one, and a prune's between its steps) wrote into the
     /// database file. On Linux: the pages the checkpointing thread wrote (its write calls), each once however
     /// many frames held it; with pages smaller than 4 KiB, an estimate of the 4 KiB blocks of the page cache
-    /// they dirtied (what reaches the device), between the pages written and one block per page. Elsewhere the pages SQLite backfilled, an upper
-    /// bound (a page changed in several frames of one WAL is written once). Other checkpoints (the one that
-    /// ends a retention pass, the last connection closing) are not counted.
+    /// they dirtied (what reaches the device), between the pages written and one block per page. Elsewhere
+    /// the pages SQLite backfilled, an upper bound (a page changed in several frames of one WAL is written
+    /// once). Other checkpoints (the one that ends a retention pass, the last connection closing) are not
+    /// counted.
     pub checkpoint_bytes: u64,
 }
 
