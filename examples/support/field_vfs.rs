@@ -252,12 +252,8 @@ impl Written {
 /// on the process's `write_bytes`, which counts page cache turned dirty a whole folio at a time (a file held in
 /// large folios counts a folio for a page written). `None` off Linux or for a device without the file.
 pub fn device_bytes(path: &std::path::Path) -> Option<u64> {
-    use std::os::unix::fs::MetadataExt;
-    let dev = std::fs::metadata(path).ok()?.dev();
-    // glibc's gnu_dev_major / gnu_dev_minor encoding.
-    let major = ((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0x0fff);
-    let minor = ((dev >> 12) & 0xffff_ff00) | (dev & 0xff);
-    let stat = std::fs::read_to_string(format!("/sys/dev/block/{major}:{minor}/stat")).ok()?;
+    let dir = edge_inbox::inspect::block_device_dir(path, std::path::Path::new("/sys"))?;
+    let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
     // The seventh field: sectors written, always of 512 bytes.
     let sectors: u64 = stat.split_whitespace().nth(6)?.parse().ok()?;
     Some(sectors * 512)

@@ -22,7 +22,9 @@ pub(crate) mod stats;
 mod wear;
 
 pub use invariants::{check_invariants, Breach, LEASE_BOUND};
-pub use wear::{bytes_written, device_wear, device_wear_in, BytesWritten, DeviceWear};
+pub use wear::{
+    block_device_dir, bytes_written, device_wear, device_wear_in, BytesWritten, DeviceWear,
+};
 
 const DAY: i64 = 86_400;
 

@@ -111,16 +111,7 @@ pub fn device_wear(path: &Path) -> Option<DeviceWear> {
 /// [`device_wear`] with another sysfs root (for tests).
 #[doc(hidden)]
 pub fn device_wear_in(path: &Path, sysfs: &Path) -> Option<DeviceWear> {
-    use std::os::unix::fs::MetadataExt;
-    let dev = std::fs::metadata(path).ok()?.dev();
-    // glibc's gnu_dev_major / gnu_dev_minor encoding.
-    let major = ((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0x0fff);
-    let minor = ((dev >> 12) & 0xffff_ff00) | (dev & 0xff);
-    let mut dir: PathBuf = sysfs
-        .join("dev/block")
-        .join(format!("{major}:{minor}"))
-        .canonicalize()
-        .ok()?;
+    let mut dir = block_device_dir(path, sysfs)?;
     if dir.join("partition").exists() {
         dir = dir.parent()?.to_owned();
     }
@@ -138,6 +129,23 @@ pub fn device_wear_in(path: &Path, sysfs: &Path) -> Option<DeviceWear> {
         life_time_b: life.get(1).copied(),
         pre_eol_info: pre_eol,
     })
+}
+
+/// The sysfs directory of the block device (or partition) that holds `path`, from the file's device number
+/// (`SYSFS/dev/block/MAJOR:MINOR`, resolved); `None` for a file system without one. Also the benchmarks'
+/// way to the device's own count of sectors written (its `stat`).
+#[doc(hidden)]
+pub fn block_device_dir(path: &Path, sysfs: &Path) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(path).ok()?.dev();
+    // glibc's gnu_dev_major / gnu_dev_minor encoding.
+    let major = ((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0x0fff);
+    let minor = ((dev >> 12) & 0xffff_ff00) | (dev & 0xff);
+    sysfs
+        .join("dev/block")
+        .join(format!("{major}:{minor}"))
+        .canonicalize()
+        .ok()
 }
 
 /// Whitespace-separated byte values as the kernel prints them (`0x01 0x02`); unreadable ones are skipped.
