@@ -231,10 +231,10 @@ fn file_cached_in_large_folios(path: &Path) {
     std::fs::rename(&copy, path).unwrap();
 }
 
-/// What a checkpoint counts can never exceed the pages of the frames it had to copy (on every kernel; only
-/// where the file system caches in large folios, ext4 on recent Linux, did the old count break it): the kernel's
-/// `write_bytes` counts a whole folio each time one turns dirty, so on a file held in large folios a 4 KiB
-/// page written into it counted as up to 2 MiB.
+/// What a checkpoint counts can never exceed the pages of the frames it had to copy, on any kernel. The old
+/// count broke it only where the page cache holds the file in large folios (ext4 on recent Linux): the
+/// kernel's `write_bytes` counts a whole folio each time one turns dirty, so a 4 KiB page written into such
+/// a file counted as up to 2 MiB.
 fn assert_checkpoint_bytes_within_the_frames(
     before: &edge_inbox::BytesWritten,
     after: &edge_inbox::BytesWritten,
