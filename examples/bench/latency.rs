@@ -6,7 +6,9 @@
 //! to the moment the consumer's PUBACK for it reaches the broker's side of the consumer's connection. A
 //! relay on 127.0.0.1 in front of the broker forwards both directions unchanged and reads the MQTT framing:
 //! broker to consumer it maps each QoS1 PUBLISH's packet id to the stamp in its payload, consumer to broker it
-//! matches each PUBACK to that stamp. Both consumers are measured by the same relay.
+//! matches each PUBACK to that stamp. Both consumers are measured by the same relay. The part before the
+//! relay's read is split by the publisher's own client: when it wrote each PUBLISH (TCP_NODELAY, as the
+//! `Consumer` sets) and when the broker's PUBACK for it came back.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -21,6 +23,7 @@ use edge_inbox::{Consumer, Delivery, Inbox, MqttConfig, Tx};
 use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{Client, Event, MqttOptions};
+use rumqttc::Outgoing;
 
 use super::e2e::{bare_consume, mosquitto_exe, Mosquitto, INFLIGHT, SLICE_DEADLINE};
 use super::field_vfs::{self, Written};
@@ -170,21 +173,38 @@ fn publish_stamp(body: &[u8]) -> Option<(u16, u64)> {
     Some((pid, u64::from_le_bytes(stamp.try_into().ok()?)))
 }
 
-/// Publishes `n` messages at `rate` per second (0: as fast as the broker takes them), each stamped.
+/// When the publisher's client wrote a message to the broker and when it read the broker's PUBACK for it,
+/// by the message's stamp (both in [`now_ns`]).
+type Sent = HashMap<u64, (u64, u64)>;
+
+/// Publishes `n` messages at `rate` per second (0: as fast as the broker takes them), each stamped. Returns,
+/// by stamp, when the client wrote each one and when the broker's PUBACK for it came back: the part of a
+/// delivery's way that lies before the broker forwards it.
 fn publish_paced(
     port: u16,
     client_id: &str,
     topic: &str,
     n: usize,
     rate: f64,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Sent> {
     let mut o = MqttOptions::new(client_id, "127.0.0.1", port);
     o.set_outgoing_inflight_upper_limit(INFLIGHT);
+    // Each PUBLISH leaves at once: under Nagle's algorithm the publisher's kernel holds the next ones until
+    // the broker's side acknowledges the last segment, and a broker busy for a moment (a burst of PUBACKs from
+    // the consumer) then holds the publisher's stream for up to a delayed-ACK timeout, which the run would
+    // count against the consumer.
+    let mut net = o.network_options();
+    net.set_tcp_nodelay(true);
+    o.set_network_options(net);
     let (client, mut conn) = Client::new(o, 1024);
     let deadline = Instant::now() + SLICE_DEADLINE;
     let (ready_tx, ready_rx) = mpsc::channel();
-    let poller = std::thread::spawn(move || -> anyhow::Result<()> {
-        let mut acked = 0;
+    // The client writes the messages in the order they were handed to it: the kth outgoing PUBLISH is message
+    // k, and its packet id is not reused before the broker's PUBACK for it.
+    let poller = std::thread::spawn(move || -> anyhow::Result<Vec<(u64, u64)>> {
+        let mut times = vec![(0u64, 0u64); n];
+        let mut by_pid: HashMap<u16, usize> = HashMap::new();
+        let (mut written, mut acked) = (0usize, 0usize);
         while acked < n {
             anyhow::ensure!(
                 Instant::now() < deadline,
@@ -194,17 +214,28 @@ fn publish_paced(
                 Ok(Ok(Event::Incoming(Packet::ConnAck(_)))) => {
                     let _ = ready_tx.send(());
                 }
-                Ok(Ok(Event::Incoming(Packet::PubAck(_)))) => acked += 1,
+                Ok(Ok(Event::Outgoing(Outgoing::Publish(pid)))) if written < n => {
+                    times[written].0 = now_ns();
+                    by_pid.insert(pid, written);
+                    written += 1;
+                }
+                Ok(Ok(Event::Incoming(Packet::PubAck(ack)))) => {
+                    if let Some(k) = by_pid.remove(&ack.pkid) {
+                        times[k].1 = now_ns();
+                    }
+                    acked += 1;
+                }
                 Ok(Err(e)) => bail!("publisher: {e}"),
                 _ => {}
             }
         }
-        Ok(())
+        Ok(times)
     });
     ready_rx
         .recv_timeout(Duration::from_secs(10))
         .context("publisher did not connect")?;
     let start = Instant::now();
+    let mut stamps = Vec::with_capacity(n);
     for i in 0..n {
         if rate > 0.0 {
             let at = start + Duration::from_secs_f64(i as f64 / rate);
@@ -212,7 +243,9 @@ fn publish_paced(
                 std::thread::sleep(wait);
             }
         }
-        let mut payload = now_ns().to_le_bytes().to_vec();
+        let stamp = now_ns();
+        stamps.push(stamp);
+        let mut payload = stamp.to_le_bytes().to_vec();
         payload.extend_from_slice(super::PAYLOAD);
         let mut props = PublishProperties::default();
         props
@@ -220,9 +253,9 @@ fn publish_paced(
             .push(("message-id".into(), timed_id(client_id, i as u64)));
         client.publish_with_properties(topic, QoS::AtLeastOnce, false, payload, props)?;
     }
-    poller.join().expect("publisher poll thread")?;
+    let times = poller.join().expect("publisher poll thread")?;
     let _ = client.try_disconnect();
-    Ok(())
+    Ok(stamps.into_iter().zip(times).collect())
 }
 
 /// The `i`th message id a run publishes: after the file's prefill in time (`--id-shape uuidv7`); the WAL's
@@ -244,6 +277,10 @@ enum Kind {
 struct Latencies {
     total: Vec<Duration>,
     to_consumer: Vec<Duration>,
+    /// Of `to_consumer`: in the publisher's client before it wrote the PUBLISH, and from that write to the
+    /// broker's PUBACK to the publisher (the broker had the message by then).
+    in_publisher: Vec<Duration>,
+    to_broker: Vec<Duration>,
     /// The inbox's syncs of its WAL during the run (every connection's).
     wal_syncs: Vec<Duration>,
     /// Beside `total`, when each message was published ([`now_ns`]).
@@ -271,6 +308,7 @@ fn run_one(
     let topic = format!("bench/latency/{tag}");
     let client_id = format!("bench-latency-{tag}");
     let (ready_tx, ready_rx) = mpsc::channel();
+    let mut sent = Sent::new();
     std::thread::scope(|s| -> anyhow::Result<()> {
         let consumer = match kind {
             Kind::Bare => {
@@ -333,7 +371,7 @@ fn run_one(
         ready_rx
             .recv_timeout(Duration::from_secs(10))
             .context("consumer did not subscribe")?;
-        publish_paced(broker.port, &format!("{client_id}-pub"), &topic, n, rate)?;
+        sent = publish_paced(broker.port, &format!("{client_id}-pub"), &topic, n, rate)?;
         consumer.join().expect("consumer thread")
     })?;
     let written = Written::now().since(written);
@@ -358,7 +396,7 @@ fn run_one(
     let kept = &acks[n / 10..];
     if kind == Kind::Inbox {
         let to_ns = |t: Instant| t.duration_since(epoch()).as_nanos() as u64;
-        if let Some(path) = super::tail_trace::finish(tag, &acks, kept, to_ns)? {
+        if let Some(path) = super::tail_trace::finish(tag, &acks, kept, &sent, to_ns)? {
             println!(
                 "{tag}: timeline around the slowest delivery in {}",
                 path.display()
@@ -384,6 +422,20 @@ fn run_one(
         to_consumer: kept
             .iter()
             .map(|&(p, d, _)| Duration::from_nanos(d.saturating_sub(p)))
+            .collect(),
+        in_publisher: kept
+            .iter()
+            .filter_map(|(p, _, _)| {
+                sent.get(p)
+                    .map(|&(w, _)| Duration::from_nanos(w.saturating_sub(*p)))
+            })
+            .collect(),
+        to_broker: kept
+            .iter()
+            .filter_map(|(p, _, _)| {
+                sent.get(p)
+                    .map(|&(w, b)| Duration::from_nanos(b.saturating_sub(w)))
+            })
             .collect(),
         wal_syncs,
         published: kept.iter().map(|&(p, _, _)| p).collect(),
@@ -529,6 +581,8 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
     // [kind][level]: latencies pooled over rounds; level 0 is saturation.
     let mut lat: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
     let mut to_consumer: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
+    let mut in_publisher: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
+    let mut to_broker: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
     let mut sat: Vec<Vec<f64>> = vec![Vec::new(); 2];
     let mut offered: Vec<Vec<f64>> = vec![Vec::new(); LOADS.len()];
     let mut disk = Vec::new();
@@ -552,6 +606,8 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
             )?;
             lat[k][0].extend(l.total);
             to_consumer[k][0].extend(l.to_consumer);
+            in_publisher[k][0].extend(l.in_publisher);
+            to_broker[k][0].extend(l.to_broker);
             sat[k].push(rate);
             if kind == Kind::Inbox {
                 bytes[0].0.add(w);
@@ -572,6 +628,8 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
                 }
                 lat[k][1 + j].extend(l.total);
                 to_consumer[k][1 + j].extend(l.to_consumer);
+                in_publisher[k][1 + j].extend(l.in_publisher);
+                to_broker[k][1 + j].extend(l.to_broker);
                 if kind == Kind::Inbox {
                     bytes[1 + j].0.add(w);
                     bytes[1 + j].1 += n as u64;
@@ -637,6 +695,30 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
                 ms(max),
                 ms(t50),
                 ms(t99)
+            );
+        }
+    }
+    // Where the part before the relay's read went: the same publisher and broker serve both consumers, so a
+    // difference between them there is the broker's (or the machine's), not the consumer's own work.
+    println!("\nBefore the relay read the PUBLISH, p50 / p99 ms: in the publisher's client (stamp to its write), from that write to the broker's PUBACK to the publisher, and in all (\"to consumer\" above).\n");
+    println!("| load | consumer | in the publisher's client | write to the broker's PUBACK | to consumer |");
+    println!("|---|---|---:|---:|---:|");
+    for level in 0..=LOADS.len() {
+        for k in 0..2 {
+            let cell = |v: &mut Vec<Duration>| {
+                if v.is_empty() {
+                    "-".to_string()
+                } else {
+                    format!("{:.2} / {:.2}", ms(pct(v, 0.5)), ms(pct(v, 0.99)))
+                }
+            };
+            println!(
+                "| {} | {} | {} | {} | {} |",
+                level_label(level),
+                names[k],
+                cell(&mut in_publisher[k][level]),
+                cell(&mut to_broker[k][level]),
+                cell(&mut to_consumer[k][level])
             );
         }
     }

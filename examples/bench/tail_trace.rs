@@ -1,9 +1,10 @@
 //! `--trace-tail DIR` (`--mode latency`): for each run of the `Consumer`, a timeline around its slowest
-//! delivery, written to `DIR/<run>.txt`: every delivery published in the window (when the relay read it, when
-//! the handler ran in its batch's transaction, when the relay read its PUBACK), and every write and sync
-//! SQLite made to the WAL and the database file meanwhile, by thread (the commit thread's transactions, the
-//! sync thread's and the checkpoint thread's syncs). What a slow delivery waited for can be read off it. A
-//! write is timed when it returned; a sync when it began and when it ended.
+//! delivery, written to `DIR/<run>.txt`: every delivery published in the window (when the publisher's client
+//! wrote it and read the broker's PUBACK for it, when the relay read it, when the handler ran in its batch's
+//! transaction, when the relay read its PUBACK), and every write and sync SQLite made to the WAL and the
+//! database file meanwhile, by thread (the commit thread's transactions, the sync thread's and the checkpoint
+//! thread's syncs). What a slow delivery waited for can be read off it. A write is timed when it returned; a
+//! sync when it began and when it ended.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -49,12 +50,14 @@ pub(crate) fn handled(stamp: u64, now: u64) {
 }
 
 /// Ends the recording of a run and writes its timeline around the slowest of `kept`; `acks` are (publish,
-/// relay read, PUBACK read) of every delivery of the run (those of the warm-up show in the window too), `ns`
-/// turns an instant into the bench's nanoseconds. The file written, if tracing.
+/// relay read, PUBACK read) of every delivery of the run (those of the warm-up show in the window too), `sent`
+/// the publisher's (write, broker's PUBACK) by publish stamp, `ns` turns an instant into the bench's
+/// nanoseconds. The file written, if tracing.
 pub(crate) fn finish(
     name: &str,
     acks: &[(u64, u64, u64)],
     kept: &[(u64, u64, u64)],
+    sent: &std::collections::HashMap<u64, (u64, u64)>,
     ns: impl Fn(Instant) -> u64,
 ) -> anyhow::Result<Option<PathBuf>> {
     let Some(dir) = DIR.get() else {
@@ -75,10 +78,19 @@ pub(crate) fn finish(
         let handler = handled
             .get(&p)
             .map_or("-".to_owned(), |&h| format!("+{:.2}", at(h) - at(p)));
+        let publisher = sent
+            .get(&p)
+            .map_or("written -  broker -".to_owned(), |&(w, b)| {
+                format!(
+                    "written +{:.2}  broker +{:.2}",
+                    at(w) - at(p),
+                    at(b) - at(p)
+                )
+            });
         lines.push((
             p,
             format!(
-                "delivery  read +{:.2}  handled {handler}  acked +{:.2}",
+                "delivery  {publisher}  read +{:.2}  handled {handler}  acked +{:.2}",
                 at(read) - at(p),
                 at(acked) - at(p)
             ),
@@ -89,8 +101,8 @@ pub(crate) fn finish(
     let mut out = format!(
         "# {name}: from {} ms before the publish of the slowest delivery ({:.2} ms to its PUBACK) to {} ms \
          after its PUBACK. Times in ms from the window's start; a delivery's line is at its publish, with \
-         the relay's read of it, its handler (inside its batch's transaction) and the relay's read of its \
-         PUBACK after it.\n",
+         when the publisher's client wrote it and read the broker's PUBACK for it, the relay's read of it, \
+         its handler (inside its batch's transaction) and the relay's read of its PUBACK after it.\n",
         BEFORE_NS / 1_000_000,
         (a - p) as f64 / 1e6,
         AFTER_NS / 1_000_000,
