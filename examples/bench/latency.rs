@@ -190,9 +190,9 @@ fn publish_paced(
     let mut o = MqttOptions::new(client_id, "127.0.0.1", port);
     o.set_outgoing_inflight_upper_limit(INFLIGHT);
     // Each PUBLISH leaves at once: under Nagle's algorithm the publisher's kernel holds the next ones until
-    // the broker's side acknowledges the last segment, and a broker busy for a moment (a burst of PUBACKs from
-    // the consumer) then holds the publisher's stream for up to a delayed-ACK timeout, which the run would
-    // count against the consumer.
+    // the broker's side acknowledges the last segment, and a broker late for a moment (busy with a burst of
+    // PUBACKs from the consumer) can then hold the publisher's stream for up to a delayed-ACK timeout, which
+    // the run would count against the consumer.
     let mut net = o.network_options();
     net.set_tcp_nodelay(true);
     o.set_network_options(net);
