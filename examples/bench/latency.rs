@@ -271,10 +271,10 @@ enum Kind {
     Bare,
 }
 
-/// Latencies of one run (all but the first tenth): publish to PUBACK, and the part of it before the relay
-/// read the PUBLISH from the broker (the publisher, the broker and the TCP connection to the consumer).
-#[derive(Default)]
-struct Latencies {
+/// Latencies of messages, by part: publish to PUBACK, and the part of it before the relay read the PUBLISH
+/// from the broker (the publisher, the broker and the TCP connection to the consumer), split further.
+#[derive(Default, Clone)]
+struct Parts {
     total: Vec<Duration>,
     to_consumer: Vec<Duration>,
     /// Of `to_consumer`: in the publisher's client before it wrote the PUBLISH, and from that write to the
@@ -283,9 +283,26 @@ struct Latencies {
     to_broker: Vec<Duration>,
     /// The rest: from the relay's read of the PUBLISH to its read of the PUBACK (the consumer's part).
     after_read: Vec<Duration>,
+}
+
+impl Parts {
+    /// Pools another run's latencies with these.
+    fn add(&mut self, other: Parts) {
+        self.total.extend(other.total);
+        self.to_consumer.extend(other.to_consumer);
+        self.in_publisher.extend(other.in_publisher);
+        self.to_broker.extend(other.to_broker);
+        self.after_read.extend(other.after_read);
+    }
+}
+
+/// What one run measured (all but its first tenth).
+#[derive(Default)]
+struct Latencies {
+    parts: Parts,
     /// The inbox's syncs of its WAL during the run (every connection's).
     wal_syncs: Vec<Duration>,
-    /// Beside `total`, when each message was published ([`now_ns`]).
+    /// Beside `parts.total`, when each message was published ([`now_ns`]).
     published: Vec<u64>,
     /// When the inbox's WAL started over during the run ([`now_ns`]).
     wal_restarts: Vec<u64>,
@@ -416,7 +433,7 @@ fn run_one(
             .collect(),
         Kind::Bare => Vec::new(),
     };
-    let lat = Latencies {
+    let parts = Parts {
         total: kept
             .iter()
             .map(|&(p, _, a)| Duration::from_nanos(a.saturating_sub(p)))
@@ -443,6 +460,9 @@ fn run_one(
             .iter()
             .map(|&(_, d, a)| Duration::from_nanos(a.saturating_sub(d)))
             .collect(),
+    };
+    let lat = Latencies {
+        parts,
         wal_syncs,
         published: kept.iter().map(|&(p, _, _)| p).collect(),
         wal_restarts,
@@ -585,11 +605,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
     eprintln!("mosquitto ({}) on 127.0.0.1:{}", exe.display(), broker.port);
     let kinds = [Kind::Inbox, Kind::Bare];
     // [kind][level]: latencies pooled over rounds; level 0 is saturation.
-    let mut lat: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
-    let mut to_consumer: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
-    let mut in_publisher: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
-    let mut to_broker: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
-    let mut after_read: Vec<Vec<Vec<Duration>>> = vec![vec![Vec::new(); 1 + LOADS.len()]; 2];
+    let mut lat: Vec<Vec<Parts>> = vec![vec![Parts::default(); 1 + LOADS.len()]; 2];
     let mut sat: Vec<Vec<f64>> = vec![Vec::new(); 2];
     let mut offered: Vec<Vec<f64>> = vec![Vec::new(); LOADS.len()];
     let mut disk = Vec::new();
@@ -611,11 +627,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
                 0.0,
                 prefill,
             )?;
-            lat[k][0].extend(l.total);
-            to_consumer[k][0].extend(l.to_consumer);
-            in_publisher[k][0].extend(l.in_publisher);
-            to_broker[k][0].extend(l.to_broker);
-            after_read[k][0].extend(l.after_read);
+            lat[k][0].add(l.parts);
             sat[k].push(rate);
             if kind == Kind::Inbox {
                 bytes[0].0.add(w);
@@ -631,14 +643,15 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
                 let tag = format!("{kind:?}-{}-{round}", (load * 100.0) as u32);
                 let (l, _, w) = run_one(dir, &broker, kind, &tag, n, rate, prefill)?;
                 if kind == Kind::Inbox {
-                    timed[1 + j].extend(l.published.iter().copied().zip(l.total.iter().copied()));
+                    timed[1 + j].extend(
+                        l.published
+                            .iter()
+                            .copied()
+                            .zip(l.parts.total.iter().copied()),
+                    );
                     restarts[1 + j].extend(l.wal_restarts.iter().copied());
                 }
-                lat[k][1 + j].extend(l.total);
-                to_consumer[k][1 + j].extend(l.to_consumer);
-                in_publisher[k][1 + j].extend(l.in_publisher);
-                to_broker[k][1 + j].extend(l.to_broker);
-                after_read[k][1 + j].extend(l.after_read);
+                lat[k][1 + j].add(l.parts);
                 if kind == Kind::Inbox {
                     bytes[1 + j].0.add(w);
                     bytes[1 + j].1 += n as u64;
@@ -681,10 +694,10 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
             format!("{:.0}", median(offered[level - 1].clone()))
         };
         for k in 0..2 {
-            let v = &mut lat[k][level];
+            let v = &mut lat[k][level].total;
             let (p50, p99) = (pct(v, 0.5), pct(v, 0.99));
             let max = *v.last().unwrap();
-            let t = &mut to_consumer[k][level];
+            let t = &mut lat[k][level].to_consumer;
             let (t50, t99) = (pct(t, 0.5), pct(t, 0.99));
             let written = if k == 0 {
                 let (w, d) = &bytes[level];
@@ -713,7 +726,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
     println!("| load | consumer | in the publisher's client | write to the broker's PUBACK | to consumer | relay's read to PUBACK |");
     println!("|---|---|---:|---:|---:|---:|");
     for level in 0..=LOADS.len() {
-        for k in 0..2 {
+        for (kind, name) in lat.iter_mut().zip(names) {
             let cell = |v: &mut Vec<Duration>| {
                 if v.is_empty() {
                     "-".to_string()
@@ -721,20 +734,23 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
                     format!("{:.2} / {:.2}", ms(pct(v, 0.5)), ms(pct(v, 0.99)))
                 }
             };
+            let p = &mut kind[level];
             println!(
-                "| {} | {} | {} | {} | {} | {} |",
+                "| {} | {name} | {} | {} | {} | {} |",
                 level_label(level),
-                names[k],
-                cell(&mut in_publisher[k][level]),
-                cell(&mut to_broker[k][level]),
-                cell(&mut to_consumer[k][level]),
-                cell(&mut after_read[k][level])
+                cell(&mut p.in_publisher),
+                cell(&mut p.to_broker),
+                cell(&mut p.to_consumer),
+                cell(&mut p.after_read)
             );
         }
     }
     let (si, sb) = (median(sat[0].clone()), median(sat[1].clone()));
     println!("\nSaturation (first publish to last PUBACK, median of rounds): `Consumer` {si:.0} msgs/s, bare {sb:.0} msgs/s = {:.2}x (target >= 0.95x)", si / sb);
-    let (i99, b99) = (pct(&mut lat[0][1], 0.99), pct(&mut lat[1][1], 0.99));
+    let (i99, b99) = (
+        pct(&mut lat[0][1].total, 0.99),
+        pct(&mut lat[1][1].total, 0.99),
+    );
     println!(
         "At 10% load: `Consumer` p99 {:.2} ms vs bare p99 + 2x fsync p99 = {:.2} ms (target: not above)",
         ms(i99),
@@ -773,7 +789,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
     }
     // The same bound on the consumer's part alone: a broker that serves one consumer later than the other (it
     // shares the machine's cores with the consumer's threads) weighs in the whole latency, not in this part.
-    let [inbox_part, bare_part] = &mut after_read[..] else {
+    let [inbox_part, bare_part] = &mut lat[..] else {
         unreachable!("two consumers");
     };
     // 10% and 50% load: the levels the targets name.
@@ -784,7 +800,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
         .skip(1)
         .take(2)
     {
-        let (i99, b99) = (pct(i, 0.99), pct(b, 0.99));
+        let (i99, b99) = (pct(&mut i.after_read, 0.99), pct(&mut b.after_read, 0.99));
         println!(
             "At {} load, from the relay's read of the PUBLISH to its read of the PUBACK: `Consumer` p99 {:.2} ms vs bare p99 + 2x fsync p99 = {:.2} ms (for comparison)",
             level_label(level),
