@@ -27,6 +27,7 @@ use rumqttc::Outgoing;
 
 use super::e2e::{bare_consume, mosquitto_exe, Mosquitto, INFLIGHT, SLICE_DEADLINE};
 use super::field_vfs::{self, Written};
+use super::steal::{Steal, StealWatch};
 use super::table::median;
 
 /// Loads offered, as fractions of the saturation rate.
@@ -306,6 +307,8 @@ struct Latencies {
     published: Vec<u64>,
     /// When the inbox's WAL started over during the run ([`now_ns`]).
     wal_restarts: Vec<u64>,
+    /// What the hypervisor took from the machine while the messages were published and consumed.
+    steal: Option<Steal>,
 }
 
 /// One run: a fresh consumer (and for the inbox a fresh file) takes `n` messages offered at `rate`. Returns
@@ -328,6 +331,7 @@ fn run_one(
     let client_id = format!("bench-latency-{tag}");
     let (ready_tx, ready_rx) = mpsc::channel();
     let mut sent = Sent::new();
+    let mut steal = None;
     std::thread::scope(|s| -> anyhow::Result<()> {
         let consumer = match kind {
             Kind::Bare => {
@@ -390,8 +394,11 @@ fn run_one(
         ready_rx
             .recv_timeout(Duration::from_secs(10))
             .context("consumer did not subscribe")?;
+        let watch = StealWatch::start();
         sent = publish_paced(broker.port, &format!("{client_id}-pub"), &topic, n, rate)?;
-        consumer.join().expect("consumer thread")
+        let consumed = consumer.join().expect("consumer thread");
+        steal = watch.stop();
+        consumed
     })?;
     let written = Written::now().since(written);
     let wal_syncs = field_vfs::wal_syncs_since(syncs_from);
@@ -466,6 +473,7 @@ fn run_one(
         wal_syncs,
         published: kept.iter().map(|&(p, _, _)| p).collect(),
         wal_restarts,
+        steal,
     };
     Ok((lat, achieved, written))
 }
@@ -616,6 +624,15 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
     // [level]: the inbox runs' (publish time, latency) and the WAL's restarts, pooled over rounds.
     let mut timed: Vec<Vec<(u64, Duration)>> = vec![Vec::new(); 1 + LOADS.len()];
     let mut restarts: Vec<Vec<u64>> = vec![Vec::new(); 1 + LOADS.len()];
+    // [kind][level]: the most the hypervisor took in a run, over the rounds.
+    let mut steal: Vec<Vec<Option<Steal>>> = vec![vec![None; 1 + LOADS.len()]; 2];
+    let mut note_steal = |k: usize, level: usize, s: Option<Steal>| {
+        let cell: &mut Option<Steal> = &mut steal[k][level];
+        *cell = match (*cell, s) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+    };
     for round in 0..rounds {
         for (k, &kind) in kinds.iter().enumerate() {
             let (l, rate, w) = run_one(
@@ -627,6 +644,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
                 0.0,
                 prefill,
             )?;
+            note_steal(k, 0, l.steal);
             lat[k][0].add(l.parts);
             sat[k].push(rate);
             if kind == Kind::Inbox {
@@ -651,6 +669,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
                     );
                     restarts[1 + j].extend(l.wal_restarts.iter().copied());
                 }
+                note_steal(k, 1 + j, l.steal);
                 lat[k][1 + j].add(l.parts);
                 if kind == Kind::Inbox {
                     bytes[1 + j].0.add(w);
@@ -747,6 +766,19 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
     }
     let (si, sb) = (median(sat[0].clone()), median(sat[1].clone()));
     println!("\nSaturation (first publish to last PUBACK, median of rounds): `Consumer` {si:.0} msgs/s, bare {sb:.0} msgs/s = {:.2}x (target >= 0.95x)", si / sb);
+    // Each round's own pair, measured one after the other: the spread between rounds is the bare consumer's
+    // as much as the `Consumer`'s.
+    if rounds > 1 {
+        let each: Vec<String> = sat[0]
+            .iter()
+            .zip(&sat[1])
+            .map(|(i, b)| format!("{i:.0} / {b:.0} = {:.2}x", i / b))
+            .collect();
+        println!(
+            "Saturation per round, `Consumer` / bare msgs/s: {}",
+            each.join(", ")
+        );
+    }
     let (i99, b99) = (
         pct(&mut lat[0][1].total, 0.99),
         pct(&mut lat[1][1].total, 0.99),
@@ -807,6 +839,26 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
             ms(i99),
             ms(b99 + f99 * 2)
         );
+    }
+    // A virtual machine's CPUs stall every thread at once; where one run lost much, its tail is the machine's.
+    if steal.iter().flatten().any(Option::is_some) {
+        let mut line = String::from(
+            "CPU time the hypervisor took from the machine (steal in /proc/stat) while each run published and consumed, the most of any round: share of all CPU time, and in brackets the most in any 100 ms (ms of CPU, all CPUs):",
+        );
+        let cell = |s: Option<Steal>| {
+            s.map_or("-".to_string(), |s| {
+                format!("{:.1}% ({} ms)", s.share * 100.0, s.worst.as_millis())
+            })
+        };
+        for (level, (&inbox, &bare)) in steal[0].iter().zip(&steal[1]).enumerate() {
+            line += &format!(
+                " {} `Consumer` {}, bare {};",
+                level_label(level),
+                cell(inbox),
+                cell(bare)
+            );
+        }
+        println!("{}", line.trim_end_matches(';'));
     }
     for level in 1..=LOADS.len() {
         tail_report(

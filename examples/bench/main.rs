@@ -47,6 +47,8 @@ mod instructions;
 #[cfg(feature = "mqtt")]
 mod latency;
 mod race;
+#[cfg(feature = "mqtt")]
+mod steal;
 mod table;
 #[cfg(feature = "mqtt")]
 mod tail_trace;
