@@ -12,7 +12,8 @@
 //! bare consumer that acks on receipt; `--n` messages per row; `--e2e-batches 256` for one size),
 //! `latency` (publish-to-PUBACK latency of the default `Consumer` and the bare consumer at 10%, 50% and 90%
 //! of the saturation rate, beside the disk's fsync time; `--n` messages per run; `--trace-tail DIR` writes the
-//! timeline around each run's slowest delivery), `disk` (the device alone: 4 KiB syncs in a loop for
+//! timeline around each run's slowest delivery; on Linux it also prints the CPU time the hypervisor took
+//! from a virtual machine during each run, its `steal`), `disk` (the device alone: 4 KiB syncs in a loop for
 //! `--seconds`, and how often one stalls). `--instructions KIND`
 //! does `--n` deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is `raw`,
 //! `classic`, `process`, `process-noop`, `raw256` or `batch256`.
