@@ -774,9 +774,11 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
             .zip(&sat[1])
             .map(|(i, b)| format!("{i:.0} / {b:.0} = {:.2}x", i / b))
             .collect();
+        let ratios = sat[0].iter().zip(&sat[1]).map(|(i, b)| i / b).collect();
         println!(
-            "Saturation per round, `Consumer` / bare msgs/s: {}",
-            each.join(", ")
+            "Saturation per round, `Consumer` / bare msgs/s: {}; median of the rounds' ratios {:.2}x",
+            each.join(", "),
+            median(ratios)
         );
     }
     let (i99, b99) = (
