@@ -992,8 +992,13 @@ impl ConsumerCore {
         let Some(p) = &self.pipeline else {
             return Ok(false);
         };
+        if p.sync.failed().is_some() {
+            return Ok(false);
+        }
         let synced = p.sync.synced();
-        if synced >= p.last_request() || p.sync.failed().is_some() {
+        if synced >= p.last_request() {
+            // The last sync may have ended since the release above: what it covers is released too.
+            self.take_synced()?;
             return Ok(false);
         }
         let left = deadline.saturating_duration_since(Instant::now());

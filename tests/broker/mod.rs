@@ -285,6 +285,15 @@ impl Broker {
         b
     }
 
+    /// The selected broker, as [`Broker::start`]; mosquitto logs every packet (a failing test can show
+    /// what the broker received).
+    pub fn start_logged() -> Broker {
+        match selected() {
+            Kind::Mosquitto => Broker::start_verbose(20),
+            Kind::Embedded => Broker::embedded(),
+        }
+    }
+
     /// A broker that logs every packet (to check ack order from the broker's side).
     pub fn start_verbose(max_inflight: u16) -> Broker {
         let dir = tempfile::tempdir().unwrap();

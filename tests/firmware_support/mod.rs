@@ -150,7 +150,7 @@ pub fn stops_on_sigterm_after_acking_what_it_committed(example: &str, device: &s
 /// SIGTERM while commands stream in: the run exits successfully having acked exactly what it committed, so
 /// the next run gets no redelivery of it (no duplicate) and every command it left uncommitted (none lost).
 pub fn sigterm_mid_stream_acks_what_it_committed_and_nothing_else(example: &str, device: &str) {
-    let broker = Broker::start();
+    let broker = Broker::start_logged();
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("fw.db");
     run_until_idle(example, &broker, &db, device);
@@ -184,18 +184,28 @@ pub fn sigterm_mid_stream_acks_what_it_committed_and_nothing_else(example: &str,
     let out = child.success(Duration::from_secs(60));
     let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let committed = s["processed"].as_i64().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(state(&db, "count"), committed, "{s}");
     publisher.join().unwrap();
     let s = run_until_idle(example, &broker, &db, device);
     assert_eq!(
         (s["duplicates"].as_i64(), s["processed"].as_i64()),
         (Some(0), Some(n - committed)),
-        "{committed} committed before the stop; then {s}"
+        "{committed} committed before the stop; then {s}; the stopped run's log:\n{log}\nthe broker's \
+         lines for {device}:\n{}",
+        broker_lines(&broker, device)
     );
     assert_eq!(
         (state(&db, "count"), state(&db, "sum")),
         (n, n * (n + 1) / 2)
     );
+}
+
+/// The broker's log lines that name the client `device` (mosquitto's packet log; empty for the embedded broker).
+fn broker_lines(broker: &Broker, device: &str) -> String {
+    let log = broker.log();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains(device)).collect();
+    lines.join("\n")
 }
 
 struct Rng(u64);
