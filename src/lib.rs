@@ -230,8 +230,8 @@
 //! sync twice before it returns (40-60 ms on a card whose sync takes 5 ms, paid by every delivery waiting
 //! behind that commit). The thread sleeps until a commit asks, is stopped when the inbox is dropped, and
 //! writes the copied pages out to the device in paced steps before it syncs the database file (on Linux), and
-//! catches up with the WAL (one commit waits while it copies the frames added during its copies, with two
-//! syncs) when a writer that never pauses keeps it from starting over. Every copy begins with a sync of the
+//! catches up with the WAL (the next write transaction waits while it copies the frames added during its
+//! copies, with two syncs) when a writer that never pauses keeps it from starting over. Every copy begins with a sync of the
 //! WAL, at any `synchronous` level, so that no page reaches the database file before its frame is on the
 //! disk. A handler that sets `PRAGMA wal_autocheckpoint` or its own WAL hook on the connection replaces the
 //! inbox's and stops the counting. The counts are saved in the file after each checkpoint and at close

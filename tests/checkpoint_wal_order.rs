@@ -12,8 +12,9 @@
 //! those pages on the disk, so it must not start over (neither by the commits that follow nor at the
 //! inbox's close), and a power cut must lose no acknowledged delivery.
 //!
-//! And the acks of the commit that waits for the catch-up leave on the catch-up's sync of the WAL, without
-//! one of the sync thread's: every PUBACK is checked against what the disk holds at the instant it leaves.
+//! And while the checkpoint thread catches up (the commit loop acking what the sync thread's syncs make
+//! durable, the asking commit's own deliveries among them), every PUBACK is checked against what the disk
+//! holds at the instant it leaves.
 
 #![cfg(feature = "mqtt")]
 
@@ -366,10 +367,10 @@ fn disk_image(
     (syncs, cut, conn)
 }
 
-/// The commit that waits for the checkpoint thread's catch-up is durable once the catch-up's sync of the
-/// WAL, which began after that commit's frames, has succeeded; its PUBACKs leave then, without a sync of
-/// the sync thread. Every PUBACK is checked at the instant it leaves, with catch-ups every few batches (a
-/// small threshold). Fails when an ack leaves before a sync that began after its commit succeeded.
+/// While the checkpoint thread catches up with the WAL, the commit loop goes on acking what the sync
+/// thread's syncs make durable (the commit that asked for the catch-up among them) and commits nothing.
+/// Every PUBACK is checked at the instant it leaves, with catch-ups every few batches (a small threshold).
+/// Fails when an ack leaves before a sync that began after its commit succeeded.
 #[test]
 fn every_puback_is_on_the_disk_when_it_leaves_also_behind_a_catch_up() {
     let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());

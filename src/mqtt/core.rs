@@ -20,6 +20,9 @@ use crate::store::error::{Error, Result};
 use crate::store::identity::Delivery;
 use crate::store::outcome::Outcome;
 
+/// How often a commit loop that waits for the checkpoint thread's catch-up looks whether it has ended.
+const CATCH_UP_POLL: Duration = Duration::from_millis(1);
+
 /// Asks a running consumer to stop: it finishes the batch in flight (commit, then its PUBACKs, all
 /// written before the DISCONNECT), disconnects and returns from [`Consumer::run`](crate::Consumer::run).
 /// Cheap to clone; usable from any thread or a signal handler flag.
@@ -494,18 +497,11 @@ impl ConsumerCore {
         batch.clear();
         self.batch = batch;
         let overlapped = self.pipeline.as_ref().is_some_and(Pipeline::overlapping);
-        let synced_by_catch_up = self.inbox.conn.wear.take_synced_by_catch_up();
         // Whatever was decided is committed, even when the batch then gave up; durable once synced.
         match &mut self.pipeline {
             Some(p) if overlapped => {
                 p.commit_took(n, began.elapsed());
-                // The commit that waited for the checkpoint's catch-up needs no sync of its own: the next
-                // batch then commits at once, instead of behind a sync that would flush nothing of it.
-                let request = if synced_by_catch_up {
-                    p.request_synced()
-                } else {
-                    p.request()
-                };
+                let request = p.request();
                 self.health.hold(request);
             }
             // Synced by its commit, but behind acks or events still waiting for the sync thread.
@@ -953,12 +949,20 @@ impl ConsumerCore {
     }
 
     /// How long the held deliveries should wait before they are committed (`None`: commit now). Always now
-    /// without the pipeline, or with a full batch. With it, a batch is committed so that its commit ends as
-    /// the sync under way ends (from the measured times of both): the next sync then covers it, and what
+    /// without the pipeline. With it, while commits overlap their syncs, not while the checkpoint thread
+    /// catches up with the WAL, even with a full batch (the commit would only wait for it, holding back the
+    /// acks the syncs release meanwhile); otherwise now with a full batch, or timed so that its commit ends
+    /// as the sync under way ends (from the measured times of both): the next sync then covers it, and what
     /// arrives until then joins it.
     pub(crate) fn commit_wait(&self) -> Option<Duration> {
-        let p = self.pipeline.as_ref().filter(|p| p.overlapping())?;
-        if self.held.len() >= self.batch_size {
+        let p = self.pipeline.as_ref()?;
+        // The next commit would wait for the checkpoint thread's catch-up before it begins: meanwhile the
+        // commit loop acks what the sync thread makes durable, looking again every millisecond. (Commits
+        // that sync themselves have nothing waiting for it: they wait in the next transaction's start.)
+        if (p.overlapping() || p.is_waiting()) && self.inbox.conn.wear.catch_up_pending() {
+            return Some(CATCH_UP_POLL);
+        }
+        if !p.overlapping() || self.held.len() >= self.batch_size {
             return None;
         }
         p.sync.commit_wait(p.commit_estimate(self.held.len()))

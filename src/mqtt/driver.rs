@@ -397,7 +397,8 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         if self.closed {
             return Ok(true);
         }
-        while self.core.unsettled() < size {
+        // A full batch is committed at once, unless the checkpoint thread's catch-up holds it.
+        while self.core.unsettled() < size || self.core.commit_wait().is_some() {
             // While the batch should wait for the sync under way, the loop waits for the next event (the
             // sync thread's wake-up among them) or the time to commit.
             let hold = match self.core.unsettled() {

@@ -73,13 +73,6 @@ impl Pipeline {
         self.last
     }
 
-    /// [`Pipeline::request`] for commits already durable, the latest having waited for the checkpoint
-    /// thread's catch-up, which synced the WAL after it ([`GroupSync::request_synced`]).
-    pub(crate) fn request_synced(&mut self) -> u64 {
-        self.last = self.sync.request_synced();
-        self.last
-    }
-
     /// Whether the next batch commits without its own sync: while syncs are slow. It starts with commits
     /// that sync themselves, and switches when their `COMMIT`s take [`OVERLAP_ON`] or more; back when the
     /// sync thread's syncs take less than [`OVERLAP_OFF`].

@@ -21,13 +21,15 @@
 //! it began; the next covers what came during it, until what is left is small. The WAL only starts over at
 //! a write that begins once every frame is copied, and beside a writer committing every few milliseconds a
 //! commit nearly always lands during a round. So the commit that adds a little more after the rounds (or
-//! that leaves the WAL [`PACED_CAP`] thresholds long while they go on) waits, after its own commit and
-//! holding no lock, while the thread *catches up*: a round without the paced write-back, which with that
-//! writer waiting copies every frame left. The next write then starts the WAL over. That wait, once per
-//! threshold of WAL, is what is left in a commit of the checkpoint's cost: two syncs and the copy of a few
-//! frames, against two syncs and the copy of a whole threshold's pages inside the commit. The catch-up's
-//! sync of the WAL begins after the waiting commit's frames were written, so it makes that commit durable:
-//! a commit loop that overlaps its commits with their syncs acks it then, without a sync of its own.
+//! that leaves the WAL [`PACED_CAP`] thresholds long while they go on) asks the thread to *catch up*: a
+//! round without the paced write-back, which, with that writer adding nothing meanwhile, copies every frame
+//! left. The commit itself returns at once; the connection's next write transaction waits, before it
+//! begins and holding no lock, until the catch-up has ended ([`Shared::await_catch_up`]), and then starts
+//! the WAL over. That wait, once per threshold of WAL, is what is left in a writer of the checkpoint's cost:
+//! two syncs and the copy of a few frames, against two syncs and the copy of a whole threshold's pages
+//! inside a commit. It comes before the next write rather than inside the commit that asked so that a
+//! commit loop can meanwhile ack what the syncs under way make durable, the asking commit's own deliveries
+//! among them, instead of holding those acks until the catch-up ends.
 //!
 //! Every round and catch-up syncs the WAL before it copies, even at `synchronous=FULL`: a commit loop that
 //! overlaps its commits with their syncs commits at NORMAL, as other connections may, and leaves frames in
@@ -78,11 +80,11 @@ pub(crate) struct Shared {
     wake: Mutex<Wake>,
     /// The thread waits on it for a request.
     cv: Condvar,
-    /// A commit waits on it for the thread's catch-up.
+    /// A writer waits on it for the thread's catch-up.
     restarted: Condvar,
     /// A request is waiting (the hook's fast path: no lock while one is).
     requested: AtomicBool,
-    /// A commit waits for the catch-up: the write-back under way goes on without its pauses.
+    /// A writer waits for the catch-up: the write-back under way goes on without its pauses.
     hurry: AtomicBool,
     /// Frames of the current WAL that the thread's last checkpoint copied back (0 once the WAL started over).
     backfilled: AtomicI64,
@@ -109,24 +111,20 @@ pub(crate) struct Shared {
 struct Wake {
     due: bool,
     restart: bool,
-    /// The answered catch-up synced the WAL (before it copied): the frames of the commit that asked for
-    /// it, and of every commit before, are on the disk.
-    wal_synced: bool,
     stop: bool,
 }
 
-/// How long a commit waits for the thread's catch-up (the frames left after its rounds and two syncs; the end
-/// of a round's write-back first): a bound for a thread held up by a slow sync. Later commits do not wait
-/// while that request is still unanswered.
-const RESTART_HANDSHAKE: Duration = Duration::from_millis(250);
+/// How long after asking a writer waits for the thread's catch-up (the frames left after its rounds and two
+/// syncs; the end of a round's write-back first): a bound for a thread held up by a slow sync. Later commits
+/// do not ask again while that request is still unanswered.
+pub(crate) const RESTART_HANDSHAKE: Duration = Duration::from_millis(250);
 
 impl Shared {
-    /// The thread is done with a catch-up it was asked for (made, failed or skipped): the waiting commit goes
-    /// on. `wal_synced`: the catch-up's sync of the WAL, which began after it was asked, succeeded.
-    fn answer_restart(&self, wal_synced: bool) {
+    /// The thread is done with a catch-up it was asked for (made, failed or skipped): the waiting writer goes
+    /// on.
+    fn answer_restart(&self) {
         let mut w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
         w.restart = false;
-        w.wal_synced = wal_synced;
         self.hurry.store(false, Ordering::Relaxed);
         self.restarted.notify_all();
     }
@@ -142,15 +140,11 @@ impl Shared {
     ///
     /// Asks for the thread's rounds when `threshold` frames are not yet copied: no lock unless it asks,
     /// once until the thread has finished them. Once the WAL reaches the catch-up point (a little past the
-    /// end of rounds that commits outran, [`PACED_CAP`] thresholds at most), waits for the thread's
-    /// catch-up: with this writer waiting here, the catch-up's copy reaches the end of the WAL, whereas a
-    /// writer that never pauses would always add frames after its snapshot. A catch-up that fails (another
-    /// writer, a reader that kept the WAL from starting over) is asked for again only after `threshold`
-    /// more frames.
-    ///
-    /// True when this commit waited for a catch-up whose sync of the WAL succeeded: that sync began after
-    /// the commit's frames were written, so this commit and every one before it on the connection are
-    /// durable, as a sync of the commit's own would have made them.
+    /// end of rounds that commits outran, [`PACED_CAP`] thresholds at most), asks for the thread's catch-up
+    /// and returns true: the connection must then write nothing until [`Shared::await_catch_up`] has
+    /// returned, so that the catch-up's copy reaches the end of the WAL, whereas a writer that never pauses
+    /// would always add frames after its snapshot. A catch-up that fails (another writer, a reader that kept
+    /// the WAL from starting over) is asked for again only after `threshold` more frames.
     pub(crate) fn after_commit(&self, frames: i64, restarted: bool, threshold: i64) -> bool {
         self.frames.store(frames, Ordering::Relaxed);
         let restart_at = self.restart_at.load(Ordering::Relaxed);
@@ -167,26 +161,9 @@ impl Shared {
             }
             w.due = true;
             w.restart = true;
-            w.wal_synced = false;
             self.hurry.store(true, Ordering::Relaxed);
             self.cv.notify_all();
-            let deadline = Instant::now() + RESTART_HANDSHAKE;
-            while w.restart && !w.stop {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    log::debug!(
-                        "the checkpoint thread did not catch up with the WAL in {RESTART_HANDSHAKE:?}"
-                    );
-                    return false;
-                }
-                w = self
-                    .restarted
-                    .wait_timeout(w, left)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
-            }
-            // Answered (not stopped): the answer is this request's, the only one outstanding.
-            return !w.restart && w.wal_synced;
+            return true;
         }
         if frames - self.backfilled.load(Ordering::Relaxed) < threshold
             || self.requested.swap(true, Ordering::AcqRel)
@@ -197,6 +174,33 @@ impl Shared {
         w.due = true;
         self.cv.notify_all();
         false
+    }
+
+    /// Whether the catch-up asked for is still under way (not answered, the thread not stopped).
+    #[cfg(feature = "mqtt")]
+    pub(crate) fn catch_up_running(&self) -> bool {
+        let w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
+        w.restart && !w.stop
+    }
+
+    /// Waits until the catch-up asked for has ended (made, failed or skipped) or the thread stopped, at most
+    /// until `deadline`: the writer that asked calls it before its next write transaction.
+    pub(crate) fn await_catch_up(&self, deadline: Instant) {
+        let mut w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
+        while w.restart && !w.stop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                log::debug!(
+                    "the checkpoint thread did not catch up with the WAL in {RESTART_HANDSHAKE:?}"
+                );
+                return;
+            }
+            w = self
+                .restarted
+                .wait_timeout(w, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
     }
 
     fn take_io_error(&self) -> Option<i32> {
@@ -325,8 +329,6 @@ struct Copy {
     done: i64,
     /// The sync of the database file failed after the copy: see the module's doc.
     database_unsynced: bool,
-    /// The sync of the WAL before the copy succeeded.
-    wal_synced: bool,
 }
 
 impl Copy {
@@ -336,7 +338,6 @@ impl Copy {
             log: 0,
             done: 0,
             database_unsynced: false,
-            wal_synced: false,
         }
     }
 }
@@ -384,13 +385,13 @@ impl Thread {
             {
                 shared.requested.store(false, Ordering::Release);
                 if restart {
-                    shared.answer_restart(false);
+                    shared.answer_restart();
                 }
                 continue;
             }
             if restart {
-                let c = self.catch_up_and_count(shared);
-                shared.answer_restart(c.wal_synced);
+                self.catch_up_and_count(shared);
+                shared.answer_restart();
                 continue;
             }
             let generation = shared.generation.load(Ordering::Acquire);
@@ -489,7 +490,7 @@ impl Thread {
         self.pinned_copy(Some(hurry))
     }
 
-    /// The catch-up, while the committing writer waits (so that it adds no frame): every frame left is
+    /// The catch-up, while the writer that asked waits (so that it adds no frame): every frame left is
     /// copied and the database file synced, so that the next write starts the WAL over.
     fn catch_up(&mut self) -> Copy {
         let mut c = self.pinned_copy(None);
@@ -527,17 +528,11 @@ impl Thread {
         // its commits with their syncs commits at NORMAL, and so may another connection, so the frames up
         // to the pin may not be on the disk yet; a page copied from one of them could reach the database
         // file first.
-        let wal_synced = match sync_wal(&self.conn) {
-            Ok(synced) => synced,
-            Err(e) => {
-                let _ = self.pin.execute_batch("ROLLBACK");
-                return Copy::failed(code_of_store(&e));
-            }
-        };
-        let c = Copy {
-            wal_synced,
-            ..self.copy()
-        };
+        if let Err(e) = sync_wal(&self.conn) {
+            let _ = self.pin.execute_batch("ROLLBACK");
+            return Copy::failed(code_of_store(&e));
+        }
+        let c = self.copy();
         if c.rc == ffi::SQLITE_OK && c.done > 0 {
             if let Some(hurry) = write_back {
                 self.write_back.run(hurry);
@@ -567,7 +562,6 @@ impl Thread {
             log,
             done,
             database_unsynced: false,
-            wal_synced: false,
         }
     }
 

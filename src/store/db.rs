@@ -452,7 +452,10 @@ impl Db {
         self.guard.ended.load(Ordering::SeqCst) || self.is_autocommit()
     }
 
+    /// `BEGIN IMMEDIATE`, once the checkpoint thread's catch-up a commit of this connection asked for has
+    /// ended: nothing this connection writes may land in the WAL while it copies the end of it.
     pub(crate) fn begin_immediate(&self) -> rusqlite::Result<()> {
+        self.wear.await_catch_up();
         self.hot.begin.borrow_mut().execute([]).map(drop)
     }
 

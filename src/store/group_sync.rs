@@ -5,10 +5,8 @@
 //! The rule that keeps an ack honest: a commit is durable once a sync of the WAL that *started after the
 //! commit returned* has succeeded. The committing thread asks for a sync after each commit
 //! ([`GroupSync::request`], which numbers the request); the thread takes every request made so far, syncs,
-//! and then reports that number as synced. One sync covers every commit that returned before it began.
-//! The one other sync that counts is the checkpoint thread's catch-up, which a commit waits for in its WAL
-//! hook, after its frames are written, and which syncs the WAL before it copies
-//! ([`GroupSync::request_synced`]).
+//! and then reports that number as synced. One sync covers every commit that returned before it began,
+//! and no other sync counts (the checkpoint thread's syncs of the WAL are not relied on).
 //!
 //! The sync goes through the thread's own connection, on SQLite's own handle of the WAL (see
 //! [`wal_sync`](crate::store::wal_sync)), so a wrapping VFS (a simulated card, a power-loss model) sees it as
@@ -121,24 +119,6 @@ impl GroupSync {
             s.began = Some(Instant::now());
             self.shared.wake.notify_one();
         }
-        s.requested
-    }
-
-    /// As [`GroupSync::request`], for commits a sync that began after the latest of them has already made
-    /// durable (the checkpoint thread's catch-up, which syncs the WAL before it copies): counted as synced
-    /// at once. Only while no sync is under way and none failed: a failing sync's pages may be missing from
-    /// the disk whatever another sync reported, and nothing since is durable until the WAL is written out
-    /// again. Otherwise the request waits for the thread's sync as any other.
-    pub(crate) fn request_synced(&self) -> u64 {
-        let mut s = self.shared.lock();
-        if s.syncing || s.failed.is_some() {
-            drop(s);
-            return self.request();
-        }
-        s.requested += 1;
-        s.started = s.requested;
-        s.synced = s.requested;
-        self.shared.done.notify_all();
         s.requested
     }
 

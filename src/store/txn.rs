@@ -27,7 +27,6 @@ pub(crate) fn begin(conn: &Db) -> Result<()> {
         return Err(gone);
     }
     conn.prepare_level()?;
-    conn.wear.forget_catch_up();
     conn.begin_immediate()?;
     if let Err(e) = conn.recover_unsynced_wal() {
         let _ = conn.execute_batch("ROLLBACK");

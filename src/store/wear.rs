@@ -13,12 +13,14 @@
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rusqlite::{ffi, Connection};
 
 use crate::store::checkpoint_bytes::{bytes_copied, ThreadIo};
-use crate::store::checkpointer::{page_size, wal_checkpoint, Shared, RESTART_WAIT};
+use crate::store::checkpointer::{
+    page_size, wal_checkpoint, Shared, RESTART_HANDSHAKE, RESTART_WAIT,
+};
 use crate::store::schema::install_busy_handler;
 use crate::store::wal_sync::{pages_written, pages_written_by};
 
@@ -52,9 +54,9 @@ pub(crate) struct Wear {
     checkpoints: Cell<u64>,
     /// The I/O error a checkpoint on this connection met (its sync of the WAL, say), not yet taken.
     io_error: Cell<Option<i32>>,
-    /// The latest commit that wrote frames waited for the checkpoint thread's catch-up, whose sync of the
-    /// WAL began after those frames and succeeded (see [`Shared::after_commit`]).
-    synced_by_catch_up: Cell<bool>,
+    /// A commit asked the checkpoint thread to catch up: nothing more is written until it has, or until
+    /// this deadline (see [`Shared::after_commit`]).
+    catch_up_until: Cell<Option<Instant>>,
     /// The checkpoint thread the hook asks instead of checkpointing itself ([`Config::checkpoint_thread`]).
     ///
     /// [`Config::checkpoint_thread`]: crate::Config::checkpoint_thread
@@ -179,18 +181,22 @@ impl Wear {
         self.io_error.take()
     }
 
-    /// Forgets what the latest commit's hook said about the catch-up: at the start of every write
-    /// transaction, so that a commit whose hook did not run as ours (a handler that installed its own WAL
-    /// hook) is never taken for one the catch-up made durable.
-    pub(crate) fn forget_catch_up(&self) {
-        self.synced_by_catch_up.set(false);
+    /// Before a write transaction begins: waits for the checkpoint thread's catch-up a commit of this
+    /// connection asked for, if it is still under way (at most [`RESTART_HANDSHAKE`] after the asking).
+    pub(crate) fn await_catch_up(&self) {
+        if let (Some(deadline), Some(b)) = (self.catch_up_until.take(), &self.background) {
+            b.await_catch_up(deadline);
+        }
     }
 
-    /// Whether the latest commit that wrote frames was made durable by the checkpoint thread's catch-up it
-    /// waited for (with every commit of the connection before it); cleared by the call.
+    /// Whether a write transaction would now wait for the checkpoint thread's catch-up
+    /// ([`Wear::await_catch_up`]): a commit loop does something else meanwhile (acks what is durable).
     #[cfg(feature = "mqtt")]
-    pub(crate) fn take_synced_by_catch_up(&self) -> bool {
-        self.synced_by_catch_up.take()
+    pub(crate) fn catch_up_pending(&self) -> bool {
+        match (self.catch_up_until.get(), &self.background) {
+            (Some(deadline), Some(b)) => Instant::now() < deadline && b.catch_up_running(),
+            _ => false,
+        }
     }
 
     /// Checkpoints this connection ran (automatic ones in its commits, and [`Wear::checkpoint`]).
@@ -300,8 +306,10 @@ unsafe extern "C" fn on_commit(
     }
     wear.frames_in_wal.set(frames);
     let copied = if let Some(b) = wear.background.as_ref().filter(|_| wear.autocheckpoint > 0) {
-        wear.synced_by_catch_up
-            .set(b.after_commit(frames, restarted, wear.autocheckpoint));
+        if b.after_commit(frames, restarted, wear.autocheckpoint) {
+            wear.catch_up_until
+                .set(Some(Instant::now() + RESTART_HANDSHAKE));
+        }
         0
     } else if wear.autocheckpoint > 0 && frames >= wear.autocheckpoint {
         match wear.checkpoint_counted(db, name, ffi::SQLITE_CHECKPOINT_PASSIVE) {
