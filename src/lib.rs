@@ -224,19 +224,20 @@
 //!
 //! [`Inbox::bytes_written`] tells the bytes the inbox wrote over the file's life ([`BytesWritten`]: WAL
 //! frames, and what its checkpoints wrote into the database file), counted at no cost per commit through
-//! SQLite's WAL hook; installing that hook replaces SQLite's automatic checkpoint, so the inbox runs it itself
-//! at [`Config::wal_autocheckpoint`]: by default on a thread of its own with a connection of its own
+//! SQLite's WAL hook; installing that hook replaces SQLite's automatic checkpoint, so the inbox runs it
+//! itself at [`Config::wal_autocheckpoint`]: by default on a thread of its own with a connection of its own
 //! ([`Config::checkpoint_thread`]), so that the commit which fills the WAL does not also copy it back and
 //! sync twice before it returns (40-60 ms on a card whose sync takes 5 ms, paid by every delivery waiting
 //! behind that commit). The thread sleeps until a commit asks, is stopped when the inbox is dropped, and
 //! writes the copied pages out to the device in paced steps before it syncs the database file (on Linux), and
 //! catches up with the WAL (the next write transaction waits while it copies the frames added during its
-//! copies, with two syncs) when a writer that never pauses keeps it from starting over. Every copy begins with a sync of the
-//! WAL, at any `synchronous` level, so that no page reaches the database file before its frame is on the
-//! disk. A handler that sets `PRAGMA wal_autocheckpoint` or its own WAL hook on the connection replaces the
-//! inbox's and stops the counting. The counts are saved in the file after each checkpoint and at close
-//! (`inboxctl stats` reads them), so they lag by a WAL's worth at most; the eMMC's own wear figures come from
-//! [`inspect::device_wear`]. [`Config::page_size`] sets the page size of a new file.
+//! copies, with two syncs) when a writer that never pauses keeps it from starting over. Every copy begins
+//! with a sync of the WAL, at any `synchronous` level, so that no page reaches the database file before its
+//! frame is on the disk. A handler that sets `PRAGMA wal_autocheckpoint` or its own WAL hook on the
+//! connection replaces the inbox's and stops the counting. The counts are saved in the file after each
+//! checkpoint and at close (`inboxctl stats` reads them), so they lag by a WAL's worth at most; the eMMC's
+//! own wear figures come from [`inspect::device_wear`]. [`Config::page_size`] sets the page size of a new
+//! file.
 //!
 //! ## Resolving an unknown commit
 //!

@@ -136,10 +136,10 @@ impl Config {
     ///
     /// Why not SQLite's 1000: the first commit after the WAL starts over also writes and syncs the new WAL
     /// header, and once per threshold the writer waits for the checkpoint thread to catch up, so on a card
-    /// whose sync takes 5 ms the deliveries behind those commits wait two to four syncs. At 1000 pages that was
-    /// more than 1% of a consumer's deliveries at 10% load, and set its p99 (31 ms, against 18 ms at 10,000,
-    /// two runs each); the checkpoints also wrote 5 times the bytes into the database file (BENCHMARKS.md,
-    /// issue 23).
+    /// whose sync takes 5 ms the deliveries behind those commits wait two to four syncs. At 1000 pages that
+    /// was more than 1% of a consumer's deliveries at 10% load, and set its p99 (31 ms, against 18 ms at
+    /// 10,000, two runs each); the checkpoints also wrote 5 times the bytes into the database file
+    /// (BENCHMARKS.md, issue 23).
     pub fn wal_autocheckpoint(mut self, pages: u32) -> Self {
         self.wal_autocheckpoint = pages;
         self

@@ -201,7 +201,8 @@ pub fn sigterm_mid_stream_acks_what_it_committed_and_nothing_else(example: &str,
     );
 }
 
-/// The broker's log lines that name the client `device` (mosquitto's packet log; empty for the embedded broker).
+/// The broker's log lines that name the client `device` (mosquitto's packet log; none from the embedded
+/// broker).
 fn broker_lines(broker: &Broker, device: &str) -> String {
     let log = broker.log();
     let lines: Vec<&str> = log.lines().filter(|l| l.contains(device)).collect();
