@@ -1,6 +1,7 @@
 //! The automatic checkpoint runs on the inbox's own thread (`Config::checkpoint_thread`, the default): a commit
-//! that leaves the WAL past the threshold returns without copying it back, the WAL still starts over beside
-//! a writer that never pauses, and what the checkpoints copied is counted as before.
+//! that leaves the WAL past the threshold returns without copying it back, the commit that asks the thread to
+//! catch up returns too (the next write waits), the WAL still starts over beside a writer that never pauses,
+//! and what the checkpoints copied is counted as before.
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,11 +26,15 @@ const SCOPE: &str = "commands";
 struct Gate {
     latch: common::Latch,
     writer: Mutex<Option<std::thread::ThreadId>>,
+    /// When the writer wrote to the WAL.
+    writer_wal_writes: Mutex<Vec<Instant>>,
 }
 
 static GATE: std::sync::OnceLock<Arc<Gate>> = std::sync::OnceLock::new();
 /// Only the files of the test that closes the gate are held (tests run in parallel).
 static GATED_DIR: Mutex<Option<String>> = Mutex::new(None);
+/// One test at a time closes the gate.
+static GATE_TURN: Mutex<()> = Mutex::new(());
 
 impl wrap_vfs::Observer for Arc<Gate> {
     fn open(&self, name: Option<&str>, flags: c_int) -> Option<usize> {
@@ -41,6 +46,12 @@ impl wrap_vfs::Observer for Arc<Gate> {
             Some(0)
         } else {
             (flags & ffi::SQLITE_OPEN_WAL != 0).then_some(1)
+        }
+    }
+
+    fn write(&self, tag: usize, _off: u64, _data: &[u8]) {
+        if tag == 1 && *self.writer.lock().unwrap() == Some(std::thread::current().id()) {
+            self.writer_wal_writes.lock().unwrap().push(Instant::now());
         }
     }
 
@@ -85,6 +96,7 @@ fn deliver(inbox: &mut Inbox, i: usize) {
 #[test]
 fn a_commit_past_the_threshold_does_not_wait_for_the_checkpoint() {
     const THRESHOLD: u64 = 100;
+    let _turn = GATE_TURN.lock().unwrap_or_else(|p| p.into_inner());
     let gate = gate();
     let dir = tempfile::tempdir().unwrap();
     *GATED_DIR.lock().unwrap() = Some(dir.path().to_string_lossy().into_owned());
@@ -147,6 +159,79 @@ fn a_commit_past_the_threshold_does_not_wait_for_the_checkpoint() {
         inbox.bytes_written().unwrap().checkpoint_bytes > 0,
         "the thread's checkpoints copied nothing"
     );
+}
+
+/// With the gate closed the thread stays in its first round, so the catch-up the writer asks for once the WAL
+/// reaches the catch-up point cannot run. The commit that asks returns; the connection's next write
+/// transaction waits for the catch-up (here until the 250 ms handshake runs out) before it writes a frame,
+/// so that a commit loop can ack meanwhile what is durable. Failed when the asking commit waited in its WAL
+/// hook, after writing its frames: no write waited before its first frame.
+#[test]
+fn the_next_write_waits_for_the_catch_up_not_the_commit_that_asked_for_it() {
+    const THRESHOLD: u64 = 100;
+    const WAITED: Duration = Duration::from_millis(200);
+    let _turn = GATE_TURN.lock().unwrap_or_else(|p| p.into_inner());
+    let gate = gate();
+    let dir = tempfile::tempdir().unwrap();
+    *GATED_DIR.lock().unwrap() = Some(dir.path().to_string_lossy().into_owned());
+    let config = Config::default()
+        .vfs(VFS)
+        .wal_autocheckpoint(THRESHOLD as u32);
+    let mut inbox = Inbox::open(dir.path().join("inbox.db"), config).unwrap();
+    gate.writer_wal_writes.lock().unwrap().clear();
+    gate.set(true);
+    let g = gate.clone();
+    let writer = std::thread::spawn(move || {
+        *g.writer.lock().unwrap() = Some(std::thread::current().id());
+        // Each call's start and end, until a few calls after the first that took the wait (bounded).
+        let mut calls: Vec<(Instant, Instant)> = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut after_wait = None;
+        let mut i = 0;
+        while i < 3000 && Instant::now() < deadline && after_wait.is_none_or(|n| n < 5) {
+            let began = Instant::now();
+            deliver(&mut inbox, i);
+            calls.push((began, Instant::now()));
+            if began.elapsed() >= WAITED {
+                after_wait.get_or_insert(0);
+            }
+            if let Some(n) = after_wait.as_mut() {
+                *n += 1;
+            }
+            i += 1;
+        }
+        *g.writer.lock().unwrap() = None;
+        (inbox, calls)
+    });
+    let (inbox, calls) = writer.join().unwrap();
+    gate.set(false);
+    *GATED_DIR.lock().unwrap() = None;
+    let writes = gate.writer_wal_writes.lock().unwrap().clone();
+    let slow: Vec<(Instant, Instant)> = calls
+        .iter()
+        .copied()
+        .filter(|&(began, ended)| ended - began >= WAITED)
+        .collect();
+    assert!(
+        !slow.is_empty(),
+        "no write waited for the catch-up ({} calls)",
+        calls.len()
+    );
+    // Where each slow call spent its time: before its first frame (the wait for the catch-up at the start of
+    // its transaction), or after it (a wait inside its commit).
+    let waited_first = slow.iter().any(|&(began, _)| {
+        writes
+            .iter()
+            .find(|&&t| t >= began)
+            .is_some_and(|&first| first - began >= WAITED)
+    });
+    assert!(
+        waited_first,
+        "every write that waited for the catch-up had written its frames first: the commit that asked \
+         waited for it ({} slow calls)",
+        slow.len()
+    );
+    drop(inbox);
 }
 
 /// A writer that never pauses: a PASSIVE checkpoint beside it nearly always sees a commit land during its
