@@ -229,9 +229,10 @@
 //! ([`Config::checkpoint_thread`]), so that the commit which fills the WAL does not also copy it back and
 //! sync twice before it returns (40-60 ms on a card whose sync takes 5 ms, paid by every delivery waiting
 //! behind that commit). The thread sleeps until a commit asks, is stopped when the inbox is dropped, and
-//! writes the copied pages out to the device in paced steps before it syncs the database file (on Linux), and
-//! catches up with the WAL (the next write transaction waits while it copies the frames added during its
-//! copies, with two syncs) when a writer that never pauses keeps it from starting over. Every copy begins
+//! writes the copied pages out to the device in paced steps before it syncs the database file (on Linux). It
+//! copies what came during its copies once no commit has come for 50 ms, so that the WAL starts over; a
+//! writer that never pauses that long waits for it instead, once per threshold of WAL (its next write
+//! transaction waits while the thread copies those frames, with two syncs). Every copy begins
 //! with a sync of the WAL, at any `synchronous` level, so that no page reaches the database file before its
 //! frame is on the disk. A handler that sets `PRAGMA wal_autocheckpoint` or its own WAL hook on the
 //! connection replaces the inbox's and stops the counting. The counts are saved in the file after each

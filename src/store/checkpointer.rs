@@ -20,16 +20,24 @@
 //! then loses nothing, as recovery reads those pages from the WAL. A round copies what was committed until
 //! it began; the next covers what came during it, until what is left is small. The WAL only starts over at
 //! a write that begins once every frame is copied, and beside a writer committing every few milliseconds a
-//! commit nearly always lands during a round. So the commit that adds a little more after the rounds (or
-//! that leaves the WAL [`PACED_CAP`] thresholds long while they go on) asks the thread to *catch up*: a
-//! round without the paced write-back, which, with that writer adding nothing meanwhile, copies every frame
-//! left. The commit itself returns at once; the connection's next write transaction waits, before it
-//! begins and holding no lock, until the catch-up has ended ([`Shared::await_catch_up`]), and then starts
-//! the WAL over. That wait, once per threshold of WAL, is what is left in a writer of the checkpoint's cost:
-//! two syncs and the copy of a few frames, against two syncs and the copy of a whole threshold's pages
-//! inside a commit. It comes before the next write rather than inside the commit that asked so that a
-//! commit loop can meanwhile ack what the syncs under way make durable, the asking commit's own deliveries
-//! among them, instead of holding those acks until the catch-up ends.
+//! commit nearly always lands during a round. Two ways lead there:
+//!
+//! - once no commit has come for [`QUIET`], the thread runs one more round on its own, which copies every
+//!   frame left; no writer waits for it, and a commit that lands during it only keeps the WAL going;
+//! - a writer that never pauses that long is made to: the commit that adds a little more after the rounds
+//!   (or that leaves the WAL [`PACED_CAP`] thresholds long while they go on) asks the thread to *catch
+//!   up*: a round without the paced write-back, which, with that writer adding nothing meanwhile, copies
+//!   every frame left. The commit itself returns at once; the connection's next write transaction waits,
+//!   before it begins and holding no lock, until the catch-up has ended ([`Shared::await_catch_up`]), and
+//!   then starts the WAL over.
+//!
+//! That wait is what is left in a writer of the checkpoint's cost: two syncs and the copy of a few frames,
+//! then SQLite's sync of the new WAL header in the next commit, against two syncs and the copy of a whole
+//! threshold's pages inside a commit. A writer under a steady load meets it once per threshold of WAL (the
+//! deliveries arriving during it wait for it too), and one that pauses for [`QUIET`] now and then not at
+//! all. It comes before the next write rather than inside the commit that asked so that a commit loop can
+//! meanwhile ack what the syncs under way make durable, the asking commit's own deliveries among them,
+//! instead of holding those acks until the catch-up ends.
 //!
 //! Every round and catch-up syncs the WAL before it copies, even at `synchronous=FULL`: a commit loop that
 //! overlaps its commits with their syncs commits at NORMAL, as other connections may, and leaves frames in
@@ -74,6 +82,12 @@ const PACED_CAP: i64 = 3;
 /// Rounds for one request, at most; the last ones are short, as each copies what came during the one before.
 const MAX_ROUNDS: u32 = 8;
 
+/// How long no commit must have come before the thread catches up on its own (a *quiet* catch-up: a round
+/// that no writer waits for): longer than a catch-up takes on slow flash (two syncs and a few pages), so
+/// that a writer that was only between commits rarely lands during it. One that does costs nothing but the
+/// round's own I/O: its frames come after the pin, and the WAL goes on instead of starting over.
+const QUIET: Duration = Duration::from_millis(50);
+
 /// What the committing connection and the checkpoint thread share.
 #[derive(Default)]
 pub(crate) struct Shared {
@@ -92,6 +106,8 @@ pub(crate) struct Shared {
     restart_at: AtomicI64,
     /// Frames in the WAL after the latest commit.
     frames: AtomicI64,
+    /// When the latest commit's hook ran ([`since_start`]).
+    last_commit: AtomicU64,
     /// Times the hook saw the WAL start over: the thread's figures from a checkpoint of an earlier WAL are
     /// dropped instead of stored over the new one's.
     generation: AtomicU64,
@@ -147,6 +163,7 @@ impl Shared {
     /// the WAL from starting over) is asked for again only after `threshold` more frames.
     pub(crate) fn after_commit(&self, frames: i64, restarted: bool, threshold: i64) -> bool {
         self.frames.store(frames, Ordering::Relaxed);
+        self.last_commit.store(since_start(), Ordering::Relaxed);
         let restart_at = self.restart_at.load(Ordering::Relaxed);
         if restarted || restart_at == 0 {
             self.generation.fetch_add(1, Ordering::AcqRel);
@@ -293,6 +310,7 @@ impl Checkpointer {
             write_back: WriteBack::new(path),
             threshold,
             copied_before: (0, 0),
+            quiet_tried: (u64::MAX, 0),
         };
         let shared = Arc::new(Shared::default());
         let s = shared.clone();
@@ -363,68 +381,137 @@ struct Thread {
     /// Frames of the current WAL (by generation) this thread had copied back, to count what a checkpoint
     /// adds where the kernel does not report the bytes written.
     copied_before: (u64, i64),
+    /// The WAL (generation) and its length when the thread last caught up on its own.
+    quiet_tried: (u64, i64),
+}
+
+/// What the thread was woken for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Job {
+    /// The hook asked for rounds.
+    Rounds,
+    /// The hook asked for the catch-up, and its writer waits.
+    CatchUp,
+    /// No commit came for [`QUIET`] while frames were left after the rounds.
+    QuietCatchUp,
+}
+
+/// Nanoseconds since the first call in the process: a clock that fits an atomic.
+fn since_start() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
 impl Thread {
     fn run(mut self, shared: &Shared) {
         loop {
-            let restart = {
+            let job = {
                 let mut w = shared.wake.lock().unwrap_or_else(|p| p.into_inner());
-                while !w.due && !w.stop {
-                    w = shared.cv.wait(w).unwrap_or_else(|p| p.into_inner());
+                loop {
+                    if w.stop {
+                        w.restart = false;
+                        shared.restarted.notify_all();
+                        return;
+                    }
+                    if w.due {
+                        w.due = false;
+                        break if w.restart { Job::CatchUp } else { Job::Rounds };
+                    }
+                    w = match self.quiet_in(shared) {
+                        None => shared.cv.wait(w).unwrap_or_else(|p| p.into_inner()),
+                        Some(left) if left.is_zero() => break Job::QuietCatchUp,
+                        Some(left) => {
+                            shared
+                                .cv
+                                .wait_timeout(w, left)
+                                .unwrap_or_else(|p| p.into_inner())
+                                .0
+                        }
+                    };
                 }
-                if w.stop {
-                    w.restart = false;
-                    shared.restarted.notify_all();
-                    return;
-                }
-                w.due = false;
-                w.restart
             };
             if shared.held.load(Ordering::SeqCst) || shared.database_unsynced.load(Ordering::SeqCst)
             {
                 shared.requested.store(false, Ordering::Release);
-                if restart {
+                if job == Job::CatchUp {
                     shared.answer_restart();
                 }
                 continue;
             }
-            if restart {
-                self.catch_up_and_count(shared);
-                shared.answer_restart();
-                continue;
+            match job {
+                Job::CatchUp => {
+                    self.catch_up_and_count(shared);
+                    shared.answer_restart();
+                }
+                Job::QuietCatchUp => {
+                    let generation = shared.generation.load(Ordering::Acquire);
+                    self.quiet_tried = (generation, shared.frames.load(Ordering::Relaxed));
+                    // A round: with no commit meanwhile it copies every frame left, and what is left may
+                    // be most of a threshold, written back paced as the rounds' pages are.
+                    self.counted(shared, generation, |t| t.round(&shared.hurry));
+                }
+                Job::Rounds => self.rounds(shared),
             }
-            let generation = shared.generation.load(Ordering::Acquire);
+        }
+    }
+
+    /// The rounds for one request of the hook, then where a writer will wait for the catch-up.
+    fn rounds(&mut self, shared: &Shared) {
+        let generation = shared.generation.load(Ordering::Acquire);
+        shared
+            .restart_at
+            .fetch_max(self.threshold.saturating_mul(PACED_CAP), Ordering::Relaxed);
+        let mut last = None;
+        for _ in 0..MAX_ROUNDS {
+            let c = self.counted(shared, generation, |t| t.round(&shared.hurry));
+            last = Some(c);
+            let now = shared.frames.load(Ordering::Relaxed);
+            if c.rc != ffi::SQLITE_OK
+                || shared.generation.load(Ordering::Acquire) != generation
+                || now - c.done <= self.threshold / 16
+                || shared.restart_asked()
+                || shared.held.load(Ordering::SeqCst)
+            {
+                break;
+            }
+        }
+        let now = shared.frames.load(Ordering::Relaxed);
+        // Commits landed during the rounds, so the WAL will not start over by itself. A quiet moment lets
+        // the thread catch up on its own ([`QUIET`]); failing one, the commit that adds a little more waits
+        // for the catch-up, which copies only those few frames.
+        if last.is_some_and(|c| c.done > 0 && now > c.done)
+            && shared.generation.load(Ordering::Acquire) == generation
+        {
             shared
                 .restart_at
-                .fetch_max(self.threshold.saturating_mul(PACED_CAP), Ordering::Relaxed);
-            let mut last = None;
-            for _ in 0..MAX_ROUNDS {
-                let c = self.counted(shared, generation, |t| t.round(&shared.hurry));
-                last = Some(c);
-                let now = shared.frames.load(Ordering::Relaxed);
-                if c.rc != ffi::SQLITE_OK
-                    || shared.generation.load(Ordering::Acquire) != generation
-                    || now - c.done <= self.threshold / 16
-                    || shared.restart_asked()
-                    || shared.held.load(Ordering::SeqCst)
-                {
-                    break;
-                }
-            }
-            let now = shared.frames.load(Ordering::Relaxed);
-            // Commits landed during the rounds, so the WAL will not start over by itself: the commit that
-            // adds a little more waits for the catch-up, which copies only those few frames.
-            if last.is_some_and(|c| c.done > 0 && now > c.done)
-                && shared.generation.load(Ordering::Acquire) == generation
-            {
-                shared
-                    .restart_at
-                    .store(now + (self.threshold / 32).max(1), Ordering::Relaxed);
-            }
-            // Commits from now on may ask again (not during the rounds: they would ask for their tail at once).
-            shared.requested.store(false, Ordering::Release);
+                .store(now + (self.threshold / 32).max(1), Ordering::Relaxed);
         }
+        // Commits from now on may ask again (not during the rounds: they would ask for their tail at once).
+        shared.requested.store(false, Ordering::Release);
+    }
+
+    /// How long until the thread may catch up on its own: frames are left after rounds of this WAL, no
+    /// commit came for [`QUIET`], and, after a quiet catch-up that a commit outran, a thirty-second of a
+    /// threshold more frames came (so that a writer pausing often does not have every few pages copied
+    /// twice). `None` while none is due.
+    fn quiet_in(&self, shared: &Shared) -> Option<Duration> {
+        if shared.held.load(Ordering::SeqCst) || shared.database_unsynced.load(Ordering::SeqCst) {
+            return None;
+        }
+        let generation = shared.generation.load(Ordering::Acquire);
+        let frames = shared.frames.load(Ordering::Relaxed);
+        let backfilled = shared.backfilled.load(Ordering::Relaxed);
+        if backfilled == 0 || frames <= backfilled {
+            return None;
+        }
+        let (tried_generation, tried_at) = self.quiet_tried;
+        if tried_generation == generation && frames < tried_at + (self.threshold / 32).max(1) {
+            return None;
+        }
+        let since = Duration::from_nanos(
+            since_start().saturating_sub(shared.last_commit.load(Ordering::Relaxed)),
+        );
+        Some(QUIET.saturating_sub(since))
     }
 
     /// A catch-up, its figures stored as a round's; a catch-up that did not leave everything copied is

@@ -135,11 +135,11 @@ impl Config {
     /// and keeps that size on disk.
     ///
     /// Why not SQLite's 1000: the first commit after the WAL starts over also writes and syncs the new WAL
-    /// header, and once per threshold the writer waits for the checkpoint thread to catch up, so on a card
-    /// whose sync takes 5 ms the deliveries behind those commits wait two to four syncs. At 1000 pages that
-    /// was more than 1% of a consumer's deliveries at 10% load, and set its p99 (31 ms, against 18 ms at
-    /// 10,000, two runs each); the checkpoints also wrote 5 times the bytes into the database file
-    /// (BENCHMARKS.md, issue 23).
+    /// header, and once per threshold a writer that never pauses waits for the checkpoint thread to catch
+    /// up ([`Config::checkpoint_thread`]), so on a card whose sync takes 5 ms the deliveries behind those
+    /// commits wait two to four syncs. At 1000 pages that was more than 1% of a consumer's deliveries at
+    /// 10% load, and set its p99 (31 ms, against 18 ms at 10,000, two runs each); the checkpoints also
+    /// wrote 5 times the bytes into the database file (BENCHMARKS.md, issue 23).
     pub fn wal_autocheckpoint(mut self, pages: u32) -> Self {
         self.wal_autocheckpoint = pages;
         self
@@ -156,12 +156,15 @@ impl Config {
     /// commits go on while it copies (a PASSIVE checkpoint takes no lock a writer needs), and on Linux the
     /// copied pages reach the device in paced steps before the database file is synced, instead of all at
     /// once in that sync: on a file with a large index they are thousands of scattered pages, which stalled
-    /// every commit's sync behind them. A writer that never pauses keeps the WAL from starting over (a
-    /// commit lands during every copy): soon after the copies, one commit asks the thread to catch up (a
-    /// sync of the WAL, the few frames added since, a sync of the database file), and the connection's next
-    /// write transaction waits until it has, before it begins (a consumer meanwhile acks what its syncs
-    /// made durable).
-    /// The thread sleeps until a commit asks, and is stopped when the inbox is dropped. A [`Config::vfs`]
+    /// every commit's sync behind them. Once no commit has come for 50 ms, the thread copies what the
+    /// commits added meanwhile, and the next commit starts the WAL over without waiting. A writer that never
+    /// pauses that long keeps the WAL from starting over (a commit lands during every copy): soon after the
+    /// copies, one commit asks the thread to catch up (a sync of the WAL, the few frames added since, a
+    /// sync of the database file), and the connection's next write transaction waits until it has, before
+    /// it begins (a consumer meanwhile acks what its syncs made durable). Deliveries arriving then wait for
+    /// it too: about three syncs, once per threshold of WAL.
+    /// The thread sleeps until a commit asks (or, with frames left after its copies, until the commits
+    /// pause), and is stopped when the inbox is dropped. A [`Config::vfs`]
     /// serves the inbox's connection and the thread's two, from two threads. If they cannot be opened, the
     /// inbox logs a warning and checkpoints in the commits. `false` keeps one connection and no thread,
     /// SQLite's own behaviour.
