@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -32,6 +32,25 @@ use super::table::median;
 
 /// Loads offered, as fractions of the saturation rate.
 const LOADS: [f64; 3] = [0.1, 0.5, 0.9];
+
+/// `--burst-ms`, in microseconds: 0 publishes evenly paced.
+static BURST_US: AtomicU64 = AtomicU64::new(0);
+
+/// Publishes each paced load in bursts, one every `every` (`--burst-ms`).
+pub fn set_burst(every: Duration) {
+    BURST_US.store(every.as_micros() as u64, Ordering::Relaxed);
+}
+
+/// When message `i` of a load offered at `rate` leaves, from the slice's start: evenly paced, or with the
+/// other messages of its burst at the burst's start.
+fn publish_at(i: usize, rate: f64) -> Duration {
+    let burst = Duration::from_micros(BURST_US.load(Ordering::Relaxed));
+    if burst.is_zero() {
+        return Duration::from_secs_f64(i as f64 / rate);
+    }
+    let per_burst = (rate * burst.as_secs_f64()).max(1.0);
+    burst.mul_f64((i as f64 / per_burst).floor())
+}
 
 /// Nanoseconds since the first call: the one clock of publisher, relay and report.
 fn now_ns() -> u64 {
@@ -239,7 +258,7 @@ fn publish_paced(
     let mut stamps = Vec::with_capacity(n);
     for i in 0..n {
         if rate > 0.0 {
-            let at = start + Duration::from_secs_f64(i as f64 / rate);
+            let at = start + publish_at(i, rate);
             if let Some(wait) = at.checked_duration_since(Instant::now()) {
                 std::thread::sleep(wait);
             }

@@ -12,8 +12,9 @@
 //! bare consumer that acks on receipt; `--n` messages per row; `--e2e-batches 256` for one size),
 //! `latency` (publish-to-PUBACK latency of the default `Consumer` and the bare consumer at 10%, 50% and 90%
 //! of the saturation rate, beside the disk's fsync time; `--n` messages per run; `--trace-tail DIR` writes the
-//! timeline around each run's slowest delivery; on Linux it also prints the CPU time the hypervisor took
-//! from a virtual machine during each run, its `steal`), `disk` (the device alone: 4 KiB syncs in a loop for
+//! timeline around each run's slowest delivery; `--burst-ms MS` publishes each load in bursts, one every MS
+//! milliseconds; on Linux it also prints the CPU time the hypervisor took from a virtual machine during each
+//! run, its `steal`), `disk` (the device alone: 4 KiB syncs in a loop for
 //! `--seconds`, and how often one stalls). `--instructions KIND`
 //! does `--n` deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is `raw`,
 //! `classic`, `process`, `process-noop`, `raw256` or `batch256`.
@@ -226,6 +227,11 @@ struct Args {
     /// e2e and latency: the `Consumer`'s `overlap_syncs`: `auto` (the default), `on` or `off`.
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "on", "off"])]
     overlap_syncs: String,
+    /// `--mode latency`: publish each load in bursts, one every MS milliseconds (the deliveries of that span
+    /// back to back, then nothing), as a gateway's sensors report in rounds; the average rate is the same.
+    /// 0 (the default): evenly paced.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    burst_ms: u64,
 }
 
 /// `--id-streams`.
@@ -354,6 +360,14 @@ fn main() -> anyhow::Result<()> {
     e2e::set_broker_nagle(args.broker_nagle);
     #[cfg(feature = "mqtt")]
     set_overlap_syncs(&args.overlap_syncs);
+    #[cfg(feature = "mqtt")]
+    if args.burst_ms > 0 {
+        println!(
+            "Loads published in bursts, one every {} ms (the same average rate).",
+            args.burst_ms
+        );
+        latency::set_burst(Duration::from_millis(args.burst_ms));
+    }
     if args.sync_delay_ms > 0 {
         println!(
             "Field storage: every sync takes {} ms more (simulated).",
