@@ -232,13 +232,12 @@
 //! writes the copied pages out to the device in paced steps before it syncs the database file (on Linux). It
 //! copies what came during its copies once no commit has come for 50 ms, so that the WAL starts over; a
 //! writer that never pauses that long waits for it instead, once per threshold of WAL (its next write
-//! transaction waits while the thread copies those frames, with two syncs). Every copy begins
-//! with a sync of the WAL, at any `synchronous` level, so that no page reaches the database file before its
-//! frame is on the disk. A handler that sets `PRAGMA wal_autocheckpoint` or its own WAL hook on the
-//! connection replaces the inbox's and stops the counting. The counts are saved in the file after each
-//! checkpoint and at close (`inboxctl stats` reads them), so they lag by a WAL's worth at most; the eMMC's
-//! own wear figures come from [`inspect::device_wear`]. [`Config::page_size`] sets the page size of a new
-//! file.
+//! transaction waits while the thread copies those frames, with two syncs). Every copy begins with a sync of
+//! the WAL, at any `synchronous` level, so that no page reaches the database file before its frame is on the
+//! disk. A handler that sets `PRAGMA wal_autocheckpoint` or its own WAL hook on the connection replaces the
+//! inbox's and stops the counting. The counts are saved in the file after each checkpoint and at close
+//! (`inboxctl stats` reads them), so they lag by a WAL's worth at most; the eMMC's own wear figures come from
+//! [`inspect::device_wear`]. [`Config::page_size`] sets the page size of a new file.
 //!
 //! ## Resolving an unknown commit
 //!

@@ -156,18 +156,17 @@ impl Config {
     /// commits go on while it copies (a PASSIVE checkpoint takes no lock a writer needs), and on Linux the
     /// copied pages reach the device in paced steps before the database file is synced, instead of all at
     /// once in that sync: on a file with a large index they are thousands of scattered pages, which stalled
-    /// every commit's sync behind them. Once no commit has come for 50 ms, the thread copies what the
-    /// commits added meanwhile, and the next commit starts the WAL over without waiting. A writer that never
-    /// pauses that long keeps the WAL from starting over (a commit lands during every copy): soon after the
-    /// copies, one commit asks the thread to catch up (a sync of the WAL, the few frames added since, a
-    /// sync of the database file), and the connection's next write transaction waits until it has, before
-    /// it begins (a consumer meanwhile acks what its syncs made durable). Deliveries arriving then wait for
-    /// it too: about three syncs, once per threshold of WAL.
-    /// The thread sleeps until a commit asks (or, with frames left after its copies, until the commits
-    /// pause), and is stopped when the inbox is dropped. A [`Config::vfs`]
-    /// serves the inbox's connection and the thread's two, from two threads. If they cannot be opened, the
-    /// inbox logs a warning and checkpoints in the commits. `false` keeps one connection and no thread,
-    /// SQLite's own behaviour.
+    /// every commit's sync behind them. Once no commit has come for 50 ms, the thread copies what the commits
+    /// added meanwhile, and the next commit starts the WAL over without waiting. A writer that never pauses
+    /// that long keeps the WAL from starting over (a commit lands during every copy): soon after the copies,
+    /// one commit asks the thread to catch up (a sync of the WAL, the few frames added since, a sync of the
+    /// database file), and the connection's next write transaction waits until it has, before it begins (a
+    /// consumer meanwhile acks what its syncs made durable). Deliveries arriving then wait for it too: about
+    /// three syncs, once per threshold of WAL. The thread sleeps until a commit asks (or, with frames left
+    /// after its copies, until the commits pause), and is stopped when the inbox is dropped. A
+    /// [`Config::vfs`] serves the inbox's connection and the thread's two, from two threads. If they cannot
+    /// be opened, the inbox logs a warning and checkpoints in the commits. `false` keeps one connection and
+    /// no thread, SQLite's own behaviour.
     pub fn checkpoint_thread(mut self, on: bool) -> Self {
         self.checkpoint_thread = on;
         self
