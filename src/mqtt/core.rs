@@ -20,9 +20,6 @@ use crate::store::error::{Error, Result};
 use crate::store::identity::Delivery;
 use crate::store::outcome::Outcome;
 
-/// How often a commit loop that waits for the checkpoint thread's catch-up looks whether it has ended.
-const CATCH_UP_POLL: Duration = Duration::from_millis(1);
-
 /// Asks a running consumer to stop: it finishes the batch in flight (commit, then its PUBACKs, all
 /// written before the DISCONNECT), disconnects and returns from [`Consumer::run`](crate::Consumer::run).
 /// Cheap to clone; usable from any thread or a signal handler flag.
@@ -904,8 +901,9 @@ impl ConsumerCore {
 
     /// Starts the sync thread for a commit loop that overlaps commits with their syncs, when
     /// [`ConsumerCore::overlap_syncs`] is on and the inbox syncs every commit. `wake` runs on that thread
-    /// after each sync. Without the thread (it could not start: logged) every commit syncs itself.
-    pub(crate) fn start_pipeline(&mut self, wake: Box<dyn Fn() + Send>) {
+    /// after each sync, and on the checkpoint thread after each catch-up that the next commit waits for.
+    /// Without the thread (it could not start: logged) every commit syncs itself.
+    pub(crate) fn start_pipeline<W: Fn() + Send + Clone + 'static>(&mut self, wake: W) {
         let config = self.inbox.config();
         if self.overlap_syncs == SyncOverlap::Off
             || config.get_synchronous() != crate::store::config::Synchronous::Full
@@ -913,8 +911,15 @@ impl ConsumerCore {
         {
             return;
         }
-        match crate::store::group_sync::GroupSync::start(self.inbox.path(), config, wake) {
-            Ok(sync) => self.pipeline = Some(Pipeline::new(sync, self.overlap_syncs)),
+        match crate::store::group_sync::GroupSync::start(
+            self.inbox.path(),
+            config,
+            Box::new(wake.clone()),
+        ) {
+            Ok(sync) => {
+                self.pipeline = Some(Pipeline::new(sync, self.overlap_syncs));
+                self.inbox.conn.wear.on_catch_up_end(Some(Box::new(wake)));
+            }
             Err(e) => log::warn!(
                 "cannot start the sync thread ({e}); every commit syncs before the next one begins"
             ),
@@ -927,6 +932,7 @@ impl ConsumerCore {
         let Some(mut p) = self.pipeline.take() else {
             return;
         };
+        self.inbox.conn.wear.on_catch_up_end(None);
         // Closing, the connection must not copy into the database file frames the disk may lack.
         if let Some(code) = p.sync.failed() {
             self.inbox.conn.note_wal_sync_failed(code);
@@ -957,10 +963,13 @@ impl ConsumerCore {
     pub(crate) fn commit_wait(&self) -> Option<Duration> {
         let p = self.pipeline.as_ref()?;
         // The next commit would wait for the checkpoint thread's catch-up before it begins: meanwhile the
-        // commit loop acks what the sync thread makes durable, looking again every millisecond. (Commits
-        // that sync themselves have nothing waiting for it: they wait in the next transaction's start.)
-        if (p.overlapping() || p.is_waiting()) && self.inbox.conn.wear.catch_up_pending() {
-            return Some(CATCH_UP_POLL);
+        // commit loop acks what the sync thread makes durable, until the checkpoint thread's wake-up (or
+        // the catch-up's deadline). Commits that sync themselves have nothing waiting for it: they wait in
+        // the next transaction's start.
+        if p.overlapping() || p.is_waiting() {
+            if let Some(left) = self.inbox.conn.wear.catch_up_left() {
+                return Some(left);
+            }
         }
         if !p.overlapping() || self.held.len() >= self.batch_size {
             return None;

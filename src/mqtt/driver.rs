@@ -38,7 +38,8 @@ pub(crate) enum Event {
     },
     /// The connection cannot succeed (refused credentials, bad TLS material): the run ends with it.
     Failed(Error),
-    /// The sync thread ended a sync: acks may be ready, and a commit may begin.
+    /// The sync thread ended a sync (acks may be ready, and a commit may begin) or the checkpoint thread a
+    /// catch-up that held the next commit.
     Synced,
     /// The feed was dropped (the sync thread's waker keeps the channel open).
     Closed,
@@ -328,9 +329,9 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
         let stop = self.core.stop.clone();
         let _running = self.core.health.running();
         let waker = self.waker.clone();
-        self.core.start_pipeline(Box::new(move || {
+        self.core.start_pipeline(move || {
             let _ = waker.send(Event::Synced);
-        }));
+        });
         loop {
             self.core.health.turn();
             self.core.publish_stats();

@@ -37,7 +37,8 @@
 //! deliveries arriving during it wait for it too), and one that pauses for [`QUIET`] now and then not at
 //! all. It comes before the next write rather than inside the commit that asked so that a commit loop can
 //! meanwhile ack what the syncs under way make durable, the asking commit's own deliveries among them,
-//! instead of holding those acks until the catch-up ends.
+//! instead of holding those acks until the catch-up ends; the thread wakes that loop when it has
+//! ([`Shared::on_catch_up_end`]).
 //!
 //! Every round and catch-up syncs the WAL before it copies, even at `synchronous=FULL`: a commit loop that
 //! overlaps its commits with their syncs commits at NORMAL, as other connections may, and leaves frames in
@@ -121,7 +122,13 @@ pub(crate) struct Shared {
     database_unsynced: AtomicBool,
     /// The I/O error (SQLite code) a checkpoint of the thread met, for the committing connection: 0 for none.
     io_error: AtomicI32,
+    /// Called once a catch-up asked for has ended, for a commit loop that does other work meanwhile instead
+    /// of waiting in [`Shared::await_catch_up`] ([`Shared::on_catch_up_end`]).
+    caught_up: Mutex<Option<Waker>>,
 }
+
+/// A commit loop's wake-up, called from the checkpoint thread.
+pub(crate) type Waker = Box<dyn Fn() + Send>;
 
 #[derive(Default)]
 struct Wake {
@@ -139,10 +146,22 @@ impl Shared {
     /// The thread is done with a catch-up it was asked for (made, failed or skipped): the waiting writer goes
     /// on.
     fn answer_restart(&self) {
-        let mut w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
-        w.restart = false;
-        self.hurry.store(false, Ordering::Relaxed);
-        self.restarted.notify_all();
+        {
+            let mut w = self.wake.lock().unwrap_or_else(|p| p.into_inner());
+            w.restart = false;
+            self.hurry.store(false, Ordering::Relaxed);
+            self.restarted.notify_all();
+        }
+        if let Some(wake) = &*self.caught_up.lock().unwrap_or_else(|p| p.into_inner()) {
+            wake();
+        }
+    }
+
+    /// Sets (or, with `None`, removes) what the thread calls each time a catch-up asked for has ended: a
+    /// commit loop that acks meanwhile learns it without looking again and again.
+    #[cfg(feature = "mqtt")]
+    pub(crate) fn on_catch_up_end(&self, wake: Option<Waker>) {
+        *self.caught_up.lock().unwrap_or_else(|p| p.into_inner()) = wake;
     }
 
     /// Whether the committing connection asked for a catch-up that is not yet answered.

@@ -189,13 +189,25 @@ impl Wear {
         }
     }
 
-    /// Whether a write transaction would now wait for the checkpoint thread's catch-up
-    /// ([`Wear::await_catch_up`]): a commit loop does something else meanwhile (acks what is durable).
+    /// How long a write transaction would now wait, at most, for the checkpoint thread's catch-up
+    /// ([`Wear::await_catch_up`]); `None` if it would not: a commit loop does something else meanwhile
+    /// (acks what is durable), woken when the catch-up ends by [`Wear::on_catch_up_end`]'s waker.
     #[cfg(feature = "mqtt")]
-    pub(crate) fn catch_up_pending(&self) -> bool {
+    pub(crate) fn catch_up_left(&self) -> Option<Duration> {
         match (self.catch_up_until.get(), &self.background) {
-            (Some(deadline), Some(b)) => Instant::now() < deadline && b.catch_up_running(),
-            _ => false,
+            (Some(deadline), Some(b)) if b.catch_up_running() => {
+                Some(deadline.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
+            }
+            _ => None,
+        }
+    }
+
+    /// Sets (or removes) what the checkpoint thread calls once each catch-up it was asked for has ended.
+    /// Without the thread there is nothing to wait for, and `wake` is dropped.
+    #[cfg(feature = "mqtt")]
+    pub(crate) fn on_catch_up_end(&self, wake: Option<crate::store::checkpointer::Waker>) {
+        if let Some(b) = &self.background {
+            b.on_catch_up_end(wake);
         }
     }
 
@@ -324,4 +336,58 @@ unsafe extern "C" fn on_commit(
     };
     wear.add(new * (wear.page_size + FRAME_HEADER), copied);
     ffi::SQLITE_OK
+}
+
+#[cfg(all(test, feature = "mqtt"))]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+
+    use crate::{Config, Delivery, Inbox, Tx};
+
+    fn noop(_: &mut Tx<'_>, _: &Delivery<'_>) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    /// A writer that never pauses asks the checkpoint thread to catch up; a commit loop that acks meanwhile
+    /// instead of waiting learns of the catch-up's end from the waker, then finds nothing left to wait for.
+    /// Failed while the loop had to look again every millisecond: no wake-up came.
+    #[test]
+    fn the_end_of_a_catch_up_wakes_the_commit_loop() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config::default().wal_autocheckpoint(50);
+        let mut inbox = Inbox::open(dir.path().join("inbox.db"), config).unwrap();
+        let (tx, rx) = mpsc::channel();
+        inbox.conn.wear.on_catch_up_end(Some(Box::new(move || {
+            let _ = tx.send(Instant::now());
+        })));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut i = 0;
+        let asked = loop {
+            assert!(
+                i < 20_000 && Instant::now() < deadline,
+                "{i} commits asked for no catch-up"
+            );
+            let id = format!("cmd-{i}");
+            inbox
+                .process(&Delivery::new("commands", &id, "cmd", b"{}"), noop)
+                .unwrap();
+            i += 1;
+            if inbox.conn.wear.catch_up_until.get().is_some() {
+                break Instant::now();
+            }
+        };
+        let woken = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the catch-up's end woke nothing");
+        assert_eq!(
+            inbox.conn.wear.catch_up_left(),
+            None,
+            "woken {:?} after the asking commit, the next write would still wait",
+            woken.saturating_duration_since(asked)
+        );
+        // Removed, it is dropped at once: the sender it holds must not keep a commit loop's channel open.
+        inbox.conn.wear.on_catch_up_end(None);
+        assert_eq!(rx.try_recv(), Err(mpsc::TryRecvError::Disconnected));
+    }
 }
