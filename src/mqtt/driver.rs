@@ -41,7 +41,7 @@ pub(crate) enum Event {
     /// The sync thread ended a sync (acks may be ready, and a commit may begin) or the checkpoint thread a
     /// catch-up that held the next commit.
     Synced,
-    /// The feed was dropped (the sync thread's waker keeps the channel open).
+    /// The feed was dropped (the wakers of the sync and checkpoint threads keep the channel open).
     Closed,
 }
 
@@ -275,10 +275,10 @@ pub(crate) struct Driver<'a, S: PubAckSender> {
     /// The budget's bytes of each delivery the core holds, in arrival order (the core lets go of its
     /// deliveries oldest first, or all at once).
     held: VecDeque<usize>,
-    /// Wakes the loop when the sync thread ended a sync.
+    /// Wakes the loop when the sync thread ended a sync or the checkpoint thread a catch-up.
     waker: Sender<Event>,
-    /// The feed is gone (this loop and the sync thread hold senders of the channel, so it never
-    /// disconnects while they run).
+    /// The feed is gone (this loop and the sync and checkpoint threads hold senders of the channel, so it
+    /// never disconnects while they run).
     closed: bool,
 }
 

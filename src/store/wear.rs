@@ -194,12 +194,10 @@ impl Wear {
     /// (acks what is durable), woken when the catch-up ends by [`Wear::on_catch_up_end`]'s waker.
     #[cfg(feature = "mqtt")]
     pub(crate) fn catch_up_left(&self) -> Option<Duration> {
-        match (self.catch_up_until.get(), &self.background) {
-            (Some(deadline), Some(b)) if b.catch_up_running() => {
-                Some(deadline.saturating_duration_since(Instant::now())).filter(|d| !d.is_zero())
-            }
-            _ => None,
-        }
+        let (deadline, b) = (self.catch_up_until.get()?, self.background.as_ref()?);
+        // The clock first: past the deadline the thread's lock is not taken.
+        let left = deadline.saturating_duration_since(Instant::now());
+        (!left.is_zero() && b.catch_up_running()).then_some(left)
     }
 
     /// Sets (or removes) what the checkpoint thread calls once each catch-up it was asked for has ended.
