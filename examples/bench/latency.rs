@@ -443,7 +443,8 @@ fn run_one(
         let to_ns = |t: Instant| t.duration_since(epoch()).as_nanos() as u64;
         if let Some(path) = super::tail_trace::finish(tag, &acks, kept, &sent, to_ns)? {
             println!(
-                "{tag}: timeline around the slowest delivery in {}",
+                "{tag}: timelines around the slowest delivery and the slowest consumer's part in {} \
+                 and -own.txt beside it",
                 path.display()
             );
         }

@@ -12,9 +12,9 @@
 //! bare consumer that acks on receipt; `--n` messages per row; `--e2e-batches 256` for one size),
 //! `latency` (publish-to-PUBACK latency of the default `Consumer` and the bare consumer at 10%, 50% and 90%
 //! of the saturation rate, beside the disk's fsync time; `--n` messages per run; `--trace-tail DIR` writes the
-//! timeline around each run's slowest delivery; `--burst-ms MS` publishes each load in bursts, one every MS
-//! milliseconds; on Linux it also prints the CPU time the hypervisor took from a virtual machine during each
-//! run, its `steal`), `disk` (the device alone: 4 KiB syncs in a loop for
+//! timelines around each run's slowest delivery and its slowest consumer's part; `--burst-ms MS` publishes
+//! each load in bursts, one every MS milliseconds; on Linux it also prints the CPU time the hypervisor took
+//! from a virtual machine during each run, its `steal`), `disk` (the device alone: 4 KiB syncs in a loop for
 //! `--seconds`, and how often one stalls). `--instructions KIND`
 //! does `--n` deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is `raw`,
 //! `classic`, `process`, `process-noop`, `raw256` or `batch256`.
@@ -218,7 +218,9 @@ struct Args {
     #[arg(long)]
     fresh_wal: bool,
     /// `--mode latency`: writes, for each run of the `Consumer`, the timeline around its slowest delivery
-    /// (deliveries, and the writes and syncs of the WAL and the database file by thread) to a file in DIR.
+    /// (deliveries, and the writes and syncs of the WAL and the database file by thread) to a file in DIR,
+    /// and the same around the delivery with the slowest consumer's part (from the relay's read of the
+    /// PUBLISH to its read of the PUBACK) to a second file, `<run>-own.txt`.
     #[arg(long, value_name = "DIR")]
     trace_tail: Option<PathBuf>,
     /// `--mode disk`: how long to sync in a loop.

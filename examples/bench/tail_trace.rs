@@ -1,10 +1,11 @@
 //! `--trace-tail DIR` (`--mode latency`): for each run of the `Consumer`, a timeline around its slowest
-//! delivery, written to `DIR/<run>.txt`: every delivery published in the window (when the publisher's client
-//! wrote it and read the broker's PUBACK for it, when the relay read it, when the handler ran in its batch's
-//! transaction, when the relay read its PUBACK), and every write and sync SQLite made to the WAL and the
-//! database file meanwhile, by thread (the commit thread's transactions, the sync thread's and the checkpoint
-//! thread's syncs). What a slow delivery waited for can be read off it. A write is timed when it returned; a
-//! sync when it began and when it ended.
+//! delivery, written to `DIR/<run>.txt`, and one around the delivery whose own part was slowest (from the
+//! relay's read of the PUBLISH to its read of the PUBACK), `DIR/<run>-own.txt`: every delivery published in
+//! the window (when the publisher's client wrote it and read the broker's PUBACK for it, when the relay read
+//! it, when the handler ran in its batch's transaction, when the relay read its PUBACK), and every write and
+//! sync SQLite made to the WAL and the database file meanwhile, by thread (the commit thread's transactions,
+//! the sync thread's and the checkpoint thread's syncs). What a slow delivery waited for can be read off it.
+//! A write is timed when it returned; a sync when it began and when it ended.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -49,10 +50,11 @@ pub(crate) fn handled(stamp: u64, now: u64) {
     }
 }
 
-/// Ends the recording of a run and writes its timeline around the slowest of `kept`; `acks` are (publish,
+/// Ends the recording of a run and writes its timelines around the slowest of `kept` (whole, and the
+/// consumer's part); `acks` are (publish,
 /// relay read, PUBACK read) of every delivery of the run (those of the warm-up show in the window too), `sent`
 /// the publisher's (write, broker's PUBACK) by publish stamp, `ns` turns an instant into the bench's
-/// nanoseconds. The file written, if tracing.
+/// nanoseconds. The first file written, if tracing.
 pub(crate) fn finish(
     name: &str,
     acks: &[(u64, u64, u64)],
@@ -68,9 +70,49 @@ pub(crate) fn finish(
         std::mem::take(&mut *HANDLED.lock().unwrap())
             .into_iter()
             .collect();
-    let Some(&(p, _, a)) = kept.iter().max_by_key(|&&(p, _, a)| a.saturating_sub(p)) else {
+    let Some(&slowest) = kept.iter().max_by_key(|&&(p, _, a)| a.saturating_sub(p)) else {
         return Ok(None);
     };
+    let window = |&(p, read, a): &(u64, u64, u64), what: &str| {
+        timeline(
+            name,
+            what,
+            (p, read, a),
+            acks,
+            sent,
+            &handled,
+            &calls,
+            &threads,
+            &ns,
+        )
+    };
+    let path = dir.join(format!("{name}.txt"));
+    std::fs::write(&path, window(&slowest, "the slowest delivery"))?;
+    // The consumer's own part (the relay's read of the PUBLISH to its read of the PUBACK) can peak
+    // elsewhere than the whole: a broker late for a whole slice hides it.
+    if let Some(own) = kept
+        .iter()
+        .max_by_key(|&&(_, read, a)| a.saturating_sub(read))
+    {
+        let what = "the delivery with the slowest consumer's part";
+        std::fs::write(dir.join(format!("{name}-own.txt")), window(own, what))?;
+    }
+    Ok(Some(path))
+}
+
+/// The timeline of one window, around the delivery `(publish, relay's read, PUBACK read)`.
+#[allow(clippy::too_many_arguments)]
+fn timeline(
+    name: &str,
+    what: &str,
+    (p, read, a): (u64, u64, u64),
+    acks: &[(u64, u64, u64)],
+    sent: &std::collections::HashMap<u64, (u64, u64)>,
+    handled: &std::collections::HashMap<u64, u64>,
+    calls: &[Traced],
+    threads: &[String],
+    ns: &impl Fn(Instant) -> u64,
+) -> String {
     let (from, to) = (p.saturating_sub(BEFORE_NS), a + AFTER_NS);
     let at = |t: u64| (t as f64 - from as f64) / 1e6;
     let mut lines: Vec<(u64, String)> = Vec::new();
@@ -96,23 +138,23 @@ pub(crate) fn finish(
             ),
         ));
     }
-    lines.extend(vfs_lines(&calls, &threads, &ns, from, to, &at));
+    lines.extend(vfs_lines(calls, threads, ns, from, to, &at));
     lines.sort_by_key(|l| l.0);
     let mut out = format!(
-        "# {name}: from {} ms before the publish of the slowest delivery ({:.2} ms to its PUBACK) to {} ms \
-         after its PUBACK. Times in ms from the window's start; a delivery's line is at its publish, with \
-         when the publisher's client wrote it and read the broker's PUBACK for it, the relay's read of it, \
-         its handler (inside its batch's transaction) and the relay's read of its PUBACK after it.\n",
+        "# {name}: from {} ms before the publish of {what} ({:.2} ms to its PUBACK, {:.2} ms from the \
+         relay's read of it) to {} ms after its PUBACK. Times in ms from the window's start; a delivery's \
+         line is at its publish, with when the publisher's client wrote it and read the broker's PUBACK for \
+         it, the relay's read of it, its handler (inside its batch's transaction) and the relay's read of \
+         its PUBACK after it.\n",
         BEFORE_NS / 1_000_000,
         (a - p) as f64 / 1e6,
+        a.saturating_sub(read) as f64 / 1e6,
         AFTER_NS / 1_000_000,
     );
     for (t, line) in lines {
         let _ = writeln!(out, "{:9.3}  {line}", at(t));
     }
-    let path = dir.join(format!("{name}.txt"));
-    std::fs::write(&path, out)?;
-    Ok(Some(path))
+    out
 }
 
 /// Writes of one thread to one kind of file, close together.
