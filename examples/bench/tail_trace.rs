@@ -50,11 +50,10 @@ pub(crate) fn handled(stamp: u64, now: u64) {
     }
 }
 
-/// Ends the recording of a run and writes its timelines around the slowest of `kept` (whole, and the
-/// consumer's part); `acks` are (publish,
-/// relay read, PUBACK read) of every delivery of the run (those of the warm-up show in the window too), `sent`
-/// the publisher's (write, broker's PUBACK) by publish stamp, `ns` turns an instant into the bench's
-/// nanoseconds. The first file written, if tracing.
+/// Ends the recording of a run and writes its timelines around the slowest of `kept`, whole and by the
+/// consumer's part; `acks` are (publish, relay read, PUBACK read) of every delivery of the run (those of the
+/// warm-up show in the window too), `sent` the publisher's (write, broker's PUBACK) by publish stamp, `ns`
+/// turns an instant into the bench's nanoseconds. The first file written, if tracing.
 pub(crate) fn finish(
     name: &str,
     acks: &[(u64, u64, u64)],
@@ -73,17 +72,9 @@ pub(crate) fn finish(
     let Some(&slowest) = kept.iter().max_by_key(|&&(p, _, a)| a.saturating_sub(p)) else {
         return Ok(None);
     };
-    let window = |&(p, read, a): &(u64, u64, u64), what: &str| {
+    let window = |&delivery: &(u64, u64, u64), what: &str| {
         timeline(
-            name,
-            what,
-            (p, read, a),
-            acks,
-            sent,
-            &handled,
-            &calls,
-            &threads,
-            &ns,
+            name, what, delivery, acks, sent, &handled, &calls, &threads, &ns,
         )
     };
     let path = dir.join(format!("{name}.txt"));
