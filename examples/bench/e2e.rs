@@ -107,6 +107,7 @@ impl Mosquitto {
             .spawn()
             .with_context(|| format!("cannot start {}", exe.display()))?;
         let broker = Mosquitto { child, port };
+        super::cores::pin_process(broker.child.id(), super::cores::Side::Broker)?;
         let deadline = Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             if Instant::now() > deadline {
@@ -128,6 +129,7 @@ impl Drop for Mosquitto {
 /// Publishes `ids` with QoS1 as fast as the broker takes them, each with its `message-id` user
 /// property. Returns the instant of the first publish, taken once the publisher is connected.
 fn publish(port: u16, client_id: &str, topic: &str, ids: Vec<String>) -> anyhow::Result<Instant> {
+    let _side = super::cores::broker_side()?;
     let mut o = MqttOptions::new(client_id, "127.0.0.1", port);
     o.set_outgoing_inflight_upper_limit(INFLIGHT);
     let (client, mut conn) = Client::new(o, 1024);
@@ -322,46 +324,57 @@ impl E2eContender {
                         .subscribe(&self.topic)
                         .inflight(INFLIGHT);
                     let inbox_slot = &mut self.inbox;
-                    s.spawn(move || {
-                        // Idle exit only bounds a run that lost deliveries; a complete one stops
-                        // itself at the last delivery.
-                        let mut consumer = Consumer::new(inbox, super::SCOPE, mqtt)
-                            .batch(batch, Duration::ZERO)
-                            .overlap_syncs(super::overlap_syncs())
-                            .exit_when_idle(Duration::from_secs(30));
-                        let stop = consumer.stop_handle();
-                        let mut seen = 0usize;
-                        let mut n: u64 = 0;
-                        // The trivial handler of the table, counting: the stop lets the batch that
-                        // holds the last delivery commit and ack before `run` returns.
-                        let handler = |tx: &mut Tx<'_>, _d: &Delivery<'_>| -> anyhow::Result<()> {
-                            n += 1;
-                            tx.put("counter", &n)?;
-                            seen += 1;
-                            if seen == len {
-                                stop.stop();
-                            }
-                            Ok(())
-                        };
-                        // The broker keeps the session: the first run subscribes, later ones find
-                        // their deliveries queued. Ready once the poll thread has had time to connect.
-                        let waker = std::thread::spawn(move || {
-                            std::thread::sleep(Duration::from_millis(300));
-                            let _ = ready_tx.send(());
-                        });
-                        let summary = consumer.run(handler);
-                        let end = Instant::now();
-                        let _ = waker.join();
-                        *inbox_slot = Some(consumer.into_inbox());
-                        let summary = summary?;
-                        anyhow::ensure!(
-                            summary.processed == len as u64
-                                && summary.acked == len as u64
-                                && summary.duplicates == 0,
-                            "consumer: {summary:?}, expected {len} processed and acked"
+                    // Named as in the latency mode (`--split-cores` looks for it).
+                    std::thread::Builder::new()
+                        .name("consumer".into())
+                        .spawn_scoped(s, move || {
+                            // Idle exit only bounds a run that lost deliveries; a complete one stops
+                            // itself at the last delivery.
+                            let mut consumer = Consumer::new(inbox, super::SCOPE, mqtt)
+                                .batch(batch, Duration::ZERO)
+                                .overlap_syncs(super::overlap_syncs())
+                                .exit_when_idle(Duration::from_secs(30));
+                            let stop = consumer.stop_handle();
+                            let mut seen = 0usize;
+                            let mut n: u64 = 0;
+                            // The trivial handler of the table, counting: the stop lets the batch that
+                            // holds the last delivery commit and ack before `run` returns.
+                            // `--split-cores`: read while the library's threads all run.
+                            let mut misplaced = Vec::new();
+                            let handler =
+                                |tx: &mut Tx<'_>, _d: &Delivery<'_>| -> anyhow::Result<()> {
+                                    n += 1;
+                                    tx.put("counter", &n)?;
+                                    seen += 1;
+                                    if seen == len {
+                                        misplaced = super::cores::misplaced();
+                                        stop.stop();
+                                    }
+                                    Ok(())
+                                };
+                            // The broker keeps the session: the first run subscribes, later ones find
+                            // their deliveries queued. Ready once the poll thread has had time to connect.
+                            let waker = std::thread::spawn(move || {
+                                std::thread::sleep(Duration::from_millis(300));
+                                let _ = ready_tx.send(());
+                            });
+                            let summary = consumer.run(handler);
+                            let end = Instant::now();
+                            let _ = waker.join();
+                            *inbox_slot = Some(consumer.into_inbox());
+                            let summary = summary?;
+                            anyhow::ensure!(
+                                summary.processed == len as u64
+                                    && summary.acked == len as u64
+                                    && summary.duplicates == 0,
+                                "consumer: {summary:?}, expected {len} processed and acked"
+                            );
+                            anyhow::ensure!(
+                            misplaced.is_empty(),
+                            "--split-cores: threads of the consumer off its CPUs: {misplaced:?}"
                         );
-                        Ok((end, summary.acked))
-                    })
+                            Ok((end, summary.acked))
+                        })?
                 }
             };
             ready_rx
@@ -488,7 +501,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, batches: &[usize]) -> anyhow::Re
     }
     println!(
         "\n| CPU per message (timed slices, median of {rounds} rounds) | this process (publisher, consumer, SQLite) µs | mosquitto µs | cores busy (of {}) |",
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        super::cores::count()
     );
     println!("|---|---:|---:|---:|");
     for (i, row) in rows.iter().enumerate() {

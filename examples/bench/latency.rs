@@ -87,6 +87,10 @@ impl Relay {
         let stop = Arc::new(AtomicBool::new(false));
         let (s, st) = (seen.clone(), stop.clone());
         std::thread::spawn(move || {
+            // The pumps it starts inherit its CPUs.
+            if let Err(e) = super::cores::pin_current(super::cores::Side::Broker) {
+                eprintln!("relay: {e}");
+            }
             while !st.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((client, _)) => {
@@ -207,6 +211,8 @@ fn publish_paced(
     n: usize,
     rate: f64,
 ) -> anyhow::Result<Sent> {
+    // Its poll thread, started below, inherits the side.
+    let _side = super::cores::broker_side()?;
     let mut o = MqttOptions::new(client_id, "127.0.0.1", port);
     o.set_outgoing_inflight_upper_limit(INFLIGHT);
     // Each PUBLISH leaves at once: under Nagle's algorithm the publisher's kernel holds the next ones until
@@ -383,6 +389,8 @@ fn run_one(
                             .exit_when_idle(Duration::from_secs(30));
                         let stop = consumer.stop_handle();
                         let mut seen = 0usize;
+                        // `--split-cores`: read while the library's threads all run.
+                        let mut misplaced = Vec::new();
                         let handler = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
                             if let Some(stamp) = d.payload.get(..8) {
                                 let stamp = u64::from_le_bytes(stamp.try_into()?);
@@ -391,6 +399,7 @@ fn run_one(
                             seen += 1;
                             tx.put("counter", &(seen as u64))?;
                             if seen == n {
+                                misplaced = super::cores::misplaced();
                                 stop.stop();
                             }
                             Ok(())
@@ -405,6 +414,10 @@ fn run_one(
                         anyhow::ensure!(
                             summary.processed == n as u64 && summary.acked == n as u64,
                             "consumer: {summary:?}, expected {n} processed and acked"
+                        );
+                        anyhow::ensure!(
+                            misplaced.is_empty(),
+                            "--split-cores: threads of the consumer off its CPUs: {misplaced:?}"
                         );
                         Ok(())
                     })?

@@ -14,10 +14,11 @@
 //! of the saturation rate, beside the disk's fsync time; `--n` messages per run; `--trace-tail DIR` writes the
 //! timelines around each run's slowest delivery and its slowest consumer's part; `--burst-ms MS` publishes
 //! each load in bursts, one every MS milliseconds; on Linux it also prints the CPU time the hypervisor took
-//! from a virtual machine during each run, its `steal`), `disk` (the device alone: 4 KiB syncs in a loop for
-//! `--seconds`, and how often one stalls). `--instructions KIND`
-//! does `--n` deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is `raw`,
-//! `classic`, `process`, `process-noop`, `raw256` or `batch256`.
+//! from a virtual machine during each run, its `steal`; `--split-cores` gives the consumer under test the
+//! upper half of the CPUs and the broker, the publisher and the relay the lower half, in e2e too), `disk`
+//! (the device alone: 4 KiB syncs in a loop for `--seconds`, and how often one stalls). `--instructions
+//! KIND` does `--n` deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is
+//! `raw`, `classic`, `process`, `process-noop`, `raw256` or `batch256`.
 //!
 //! Every row runs on a fresh database file in `--db-dir` with `synchronous=FULL`; all rows run once per
 //! round, rounds are interleaved, and the table shows the median rate and the median of the per-round ratios,
@@ -42,6 +43,8 @@ use common::*;
 mod field_vfs;
 
 mod allocations;
+#[cfg(feature = "mqtt")]
+mod cores;
 mod disk;
 #[cfg(feature = "mqtt")]
 mod e2e;
@@ -234,6 +237,11 @@ struct Args {
     /// 0 (the default): evenly paced.
     #[arg(long, value_name = "MS", default_value_t = 0)]
     burst_ms: u64,
+    /// e2e and latency (Linux): the consumer under test (the `Consumer` with the library's threads, or the
+    /// bare consumer) on the upper half of the CPUs, mosquitto, the publisher and the relay on the lower
+    /// half, as on a gateway whose broker and publishers are other machines.
+    #[arg(long)]
+    split_cores: bool,
 }
 
 /// `--id-streams`.
@@ -362,6 +370,17 @@ fn main() -> anyhow::Result<()> {
     e2e::set_broker_nagle(args.broker_nagle);
     #[cfg(feature = "mqtt")]
     set_overlap_syncs(&args.overlap_syncs);
+    #[cfg(feature = "mqtt")]
+    if args.split_cores {
+        anyhow::ensure!(
+            matches!(args.mode, Mode::E2e | Mode::Latency),
+            "--split-cores is for --mode e2e and latency"
+        );
+        cores::enable()?;
+        cores::pin_current(cores::Side::Consumer)?;
+    }
+    #[cfg(not(feature = "mqtt"))]
+    anyhow::ensure!(!args.split_cores, "--split-cores needs the `mqtt` feature");
     #[cfg(feature = "mqtt")]
     if args.burst_ms > 0 {
         println!(
