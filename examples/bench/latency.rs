@@ -86,26 +86,30 @@ impl Relay {
         let seen = Arc::new(Mutex::new(Seen::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let (s, st) = (seen.clone(), stop.clone());
-        std::thread::spawn(move || {
-            // The pumps it starts inherit its CPUs.
-            if let Err(e) = super::cores::pin_current(super::cores::Side::Broker) {
-                eprintln!("relay: {e}");
-            }
-            while !st.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((client, _)) => {
-                        let _ = client.set_nonblocking(false);
-                        if let Ok(server) = TcpStream::connect(("127.0.0.1", broker)) {
-                            let _ = client.set_nodelay(true);
-                            let _ = server.set_nodelay(true);
-                            pump(server.try_clone(), client.try_clone(), s.clone(), true);
-                            pump(Ok(client), Ok(server), s.clone(), false);
-                        }
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        // Named, as the pumps and the publisher's threads are, so that a profile tells the set-up's threads
+        // from the consumer's.
+        std::thread::Builder::new()
+            .name("relay".into())
+            .spawn(move || {
+                // The pumps it starts inherit its CPUs.
+                if let Err(e) = super::cores::pin_current(super::cores::Side::Broker) {
+                    eprintln!("relay: {e}");
                 }
-            }
-        });
+                while !st.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((client, _)) => {
+                            let _ = client.set_nonblocking(false);
+                            if let Ok(server) = TcpStream::connect(("127.0.0.1", broker)) {
+                                let _ = client.set_nodelay(true);
+                                let _ = server.set_nodelay(true);
+                                pump(server.try_clone(), client.try_clone(), s.clone(), true);
+                                pump(Ok(client), Ok(server), s.clone(), false);
+                            }
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            })?;
         Ok(Relay { port, seen, stop })
     }
 
@@ -131,39 +135,46 @@ fn pump(
     let (Ok(mut from), Ok(mut to)) = (from, to) else {
         return;
     };
-    std::thread::spawn(move || {
-        let mut chunk = vec![0u8; 64 * 1024];
-        let mut buf: Vec<u8> = Vec::new();
-        loop {
-            let k = match from.read(&mut chunk) {
-                Ok(0) | Err(_) => break,
-                Ok(k) => k,
-            };
-            // Read before forwarding: a PUBLISH's stamp must be recorded before its PUBACK can come back.
-            let at = now_ns();
-            buf.extend_from_slice(&chunk[..k]);
-            let mut used = 0;
-            while let Some((header, body, len)) = packet(&buf[used..]) {
-                let mut s = seen.lock().unwrap();
-                if down && header >> 4 == 3 && (header >> 1) & 3 == 1 {
-                    if let Some((pid, stamp)) = publish_stamp(body) {
-                        s.pending.insert(pid, (stamp, at));
+    let name = if down {
+        "relay-publishes"
+    } else {
+        "relay-pubacks"
+    };
+    let _ = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let mut chunk = vec![0u8; 64 * 1024];
+            let mut buf: Vec<u8> = Vec::new();
+            loop {
+                let k = match from.read(&mut chunk) {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => k,
+                };
+                // Read before forwarding: a PUBLISH's stamp must be recorded before its PUBACK can come back.
+                let at = now_ns();
+                buf.extend_from_slice(&chunk[..k]);
+                let mut used = 0;
+                while let Some((header, body, len)) = packet(&buf[used..]) {
+                    let mut s = seen.lock().unwrap();
+                    if down && header >> 4 == 3 && (header >> 1) & 3 == 1 {
+                        if let Some((pid, stamp)) = publish_stamp(body) {
+                            s.pending.insert(pid, (stamp, at));
+                        }
+                    } else if !down && header >> 4 == 4 && body.len() >= 2 {
+                        let pid = u16::from_be_bytes([body[0], body[1]]);
+                        if let Some((stamp, down)) = s.pending.remove(&pid) {
+                            s.acks.push((stamp, down, at));
+                        }
                     }
-                } else if !down && header >> 4 == 4 && body.len() >= 2 {
-                    let pid = u16::from_be_bytes([body[0], body[1]]);
-                    if let Some((stamp, down)) = s.pending.remove(&pid) {
-                        s.acks.push((stamp, down, at));
-                    }
+                    used += len;
                 }
-                used += len;
+                buf.drain(..used);
+                if to.write_all(&chunk[..k]).is_err() {
+                    break;
+                }
             }
-            buf.drain(..used);
-            if to.write_all(&chunk[..k]).is_err() {
-                break;
-            }
-        }
-        let _ = to.shutdown(Shutdown::Both);
-    });
+            let _ = to.shutdown(Shutdown::Both);
+        });
 }
 
 /// One whole MQTT packet at the start of `b`: fixed header byte, body, total length.
@@ -227,36 +238,38 @@ fn publish_paced(
     let (ready_tx, ready_rx) = mpsc::channel();
     // The client writes the messages in the order they were handed to it: the kth outgoing PUBLISH is message
     // k, and its packet id is not reused before the broker's PUBACK for it.
-    let poller = std::thread::spawn(move || -> anyhow::Result<Vec<(u64, u64)>> {
-        let mut times = vec![(0u64, 0u64); n];
-        let mut by_pid: HashMap<u16, usize> = HashMap::new();
-        let (mut written, mut acked) = (0usize, 0usize);
-        while acked < n {
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "publisher: {acked} of {n} acked in time"
-            );
-            match conn.recv_timeout(Duration::from_millis(200)) {
-                Ok(Ok(Event::Incoming(Packet::ConnAck(_)))) => {
-                    let _ = ready_tx.send(());
-                }
-                Ok(Ok(Event::Outgoing(Outgoing::Publish(pid)))) if written < n => {
-                    times[written].0 = now_ns();
-                    by_pid.insert(pid, written);
-                    written += 1;
-                }
-                Ok(Ok(Event::Incoming(Packet::PubAck(ack)))) => {
-                    if let Some(k) = by_pid.remove(&ack.pkid) {
-                        times[k].1 = now_ns();
+    let poller = std::thread::Builder::new().name("publisher".into()).spawn(
+        move || -> anyhow::Result<Vec<(u64, u64)>> {
+            let mut times = vec![(0u64, 0u64); n];
+            let mut by_pid: HashMap<u16, usize> = HashMap::new();
+            let (mut written, mut acked) = (0usize, 0usize);
+            while acked < n {
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "publisher: {acked} of {n} acked in time"
+                );
+                match conn.recv_timeout(Duration::from_millis(200)) {
+                    Ok(Ok(Event::Incoming(Packet::ConnAck(_)))) => {
+                        let _ = ready_tx.send(());
                     }
-                    acked += 1;
+                    Ok(Ok(Event::Outgoing(Outgoing::Publish(pid)))) if written < n => {
+                        times[written].0 = now_ns();
+                        by_pid.insert(pid, written);
+                        written += 1;
+                    }
+                    Ok(Ok(Event::Incoming(Packet::PubAck(ack)))) => {
+                        if let Some(k) = by_pid.remove(&ack.pkid) {
+                            times[k].1 = now_ns();
+                        }
+                        acked += 1;
+                    }
+                    Ok(Err(e)) => bail!("publisher: {e}"),
+                    _ => {}
                 }
-                Ok(Err(e)) => bail!("publisher: {e}"),
-                _ => {}
             }
-        }
-        Ok(times)
-    });
+            Ok(times)
+        },
+    )?;
     ready_rx
         .recv_timeout(Duration::from_secs(10))
         .context("publisher did not connect")?;
