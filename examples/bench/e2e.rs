@@ -337,10 +337,10 @@ impl E2eContender {
                             let stop = consumer.stop_handle();
                             let mut seen = 0usize;
                             let mut n: u64 = 0;
-                            // The trivial handler of the table, counting: the stop lets the batch that
-                            // holds the last delivery commit and ack before `run` returns.
                             // `--split-cores`: read while the library's threads all run.
                             let mut misplaced = Vec::new();
+                            // The trivial handler of the table, counting: the stop lets the batch that
+                            // holds the last delivery commit and ack before `run` returns.
                             let handler =
                                 |tx: &mut Tx<'_>, _d: &Delivery<'_>| -> anyhow::Result<()> {
                                     n += 1;
@@ -370,9 +370,9 @@ impl E2eContender {
                                 "consumer: {summary:?}, expected {len} processed and acked"
                             );
                             anyhow::ensure!(
-                            misplaced.is_empty(),
-                            "--split-cores: threads of the consumer off its CPUs: {misplaced:?}"
-                        );
+                                misplaced.is_empty(),
+                                "--split-cores: threads of the consumer off its CPUs: {misplaced:?}"
+                            );
                             Ok((end, summary.acked))
                         })?
                 }

@@ -140,7 +140,7 @@ fn pump(
     } else {
         "relay-pubacks"
     };
-    let _ = std::thread::Builder::new()
+    let started = std::thread::Builder::new()
         .name(name.into())
         .spawn(move || {
             let mut chunk = vec![0u8; 64 * 1024];
@@ -175,6 +175,10 @@ fn pump(
             }
             let _ = to.shutdown(Shutdown::Both);
         });
+    // The run then fails for want of the packets this one would have carried.
+    if let Err(e) = started {
+        eprintln!("relay: cannot start the {name} pump: {e}");
+    }
 }
 
 /// One whole MQTT packet at the start of `b`: fixed header byte, body, total length.
