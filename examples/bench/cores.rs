@@ -88,12 +88,12 @@ pub(crate) fn pin_process(pid: u32, side: Side) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What is wrong with where the consumer under test runs: its threads (the library's, named `edge-inbox-*`,
+/// Checks where the consumer under test runs: fails with its threads (the library's, named `edge-inbox-*`,
 /// `inbox-watch` and `mqtt-poll-*`, and the bench's `consumer`) that may run outside its side, with their
-/// CPUs, or the kinds of them not found. Empty when the split holds (or is off). Call it while they all run.
-pub(crate) fn misplaced() -> Vec<String> {
+/// CPUs, or with the kinds of them not found. Call it while they all run; without the split it passes.
+pub(crate) fn check_placement() -> anyhow::Result<()> {
     let Some(cpus) = CPUS.get() else {
-        return Vec::new();
+        return Ok(());
     };
     let consumer = &cpus[cpus.len() / 2..];
     let mut wrong = Vec::new();
@@ -134,7 +134,11 @@ pub(crate) fn misplaced() -> Vec<String> {
             wrong.push(format!("no thread named {what}"));
         }
     }
-    wrong
+    anyhow::ensure!(
+        wrong.is_empty(),
+        "--split-cores: threads of the consumer off its CPUs: {wrong:?}"
+    );
+    Ok(())
 }
 
 /// The CPUs of a kernel CPU list such as `0-1,4`.
