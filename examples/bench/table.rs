@@ -154,6 +154,7 @@ pub(crate) fn until_wal_wraps(
 const SLICES: usize = 20;
 
 /// Slices of the end-to-end rows (each slice is a publish run and a consumer connection of its own).
+#[cfg(feature = "mqtt")]
 pub(crate) const SLICES_E2E: usize = 4;
 
 /// One contender of the table with its own fresh file.
@@ -452,6 +453,7 @@ fn checkpoint_all(store: &Store, mode: &str) -> anyhow::Result<()> {
 }
 
 /// `PRAGMA wal_checkpoint(TRUNCATE)` until it is not busy (another connection's checkpoint), for up to 60 s.
+#[cfg(feature = "mqtt")]
 pub(crate) fn checkpoint_truncate(conn: &edge_inbox::rusqlite::Connection) -> anyhow::Result<()> {
     checkpoint(conn, "TRUNCATE")
 }
