@@ -226,17 +226,7 @@ pub(crate) fn bare_consume(
 /// CPU time (user + system) of a process so far, in clock ticks (1/100 s on Linux).
 fn cpu_ticks(pid: &str) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
-    // utime and stime are fields 14 and 15; `rest` starts at field 3.
-    let get = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    get(11) + get(12)
+    super::threads::stat_ticks(&stat).map_or(0, |(_, ticks)| ticks)
 }
 
 /// One row's state across slices: its inbox file (kept, so its WAL is warm) and its names.

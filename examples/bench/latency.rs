@@ -10,7 +10,7 @@
 //! relay's read is split by the publisher's own client: when it wrote each PUBLISH (TCP_NODELAY, as the
 //! `Consumer` sets) and when the broker's PUBACK for it came back.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::Path;
@@ -29,6 +29,7 @@ use super::e2e::{bare_consume, mosquitto_exe, Mosquitto, INFLIGHT, SLICE_DEADLIN
 use super::field_vfs::{self, Written};
 use super::steal::{Steal, StealWatch};
 use super::table::median;
+use super::threads::{ThreadWatch, TICK};
 
 /// Loads offered, as fractions of the saturation rate.
 const LOADS: [f64; 3] = [0.1, 0.5, 0.9];
@@ -307,6 +308,13 @@ fn timed_id(client_id: &str, i: u64) -> String {
     super::shaped_id(super::stream_id(client_id, i), super::HISTORY + i)
 }
 
+/// Adds one run's CPU ticks by thread name to a pool.
+fn add_ticks(pool: &mut BTreeMap<String, u64>, run: &BTreeMap<String, u64>) {
+    for (name, ticks) in run {
+        *pool.entry(name.clone()).or_insert(0) += ticks;
+    }
+}
+
 /// Which consumer a run measures.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
@@ -351,6 +359,8 @@ struct Latencies {
     wal_restarts: Vec<u64>,
     /// What the hypervisor took from the machine while the messages were published and consumed.
     steal: Option<Steal>,
+    /// CPU ticks by thread name (and the broker's) meanwhile.
+    cpu: BTreeMap<String, u64>,
 }
 
 /// One run: a fresh consumer (and for the inbox a fresh file) takes `n` messages offered at `rate`. Returns
@@ -374,11 +384,16 @@ fn run_one(
     let (ready_tx, ready_rx) = mpsc::channel();
     let mut sent = Sent::new();
     let mut steal = None;
+    let mut cpu = BTreeMap::new();
     std::thread::scope(|s| -> anyhow::Result<()> {
         let consumer = match kind {
             Kind::Bare => {
                 let (id, topic, port) = (client_id.clone(), topic.clone(), relay.port);
-                s.spawn(move || bare_consume(port, &id, &topic, n, ready_tx).map(|_| ()))
+                std::thread::Builder::new()
+                    .name("bare-consumer".into())
+                    .spawn_scoped(s, move || {
+                        bare_consume(port, &id, &topic, n, ready_tx).map(|_| ())
+                    })?
             }
             Kind::Inbox => {
                 let path = dir.join(format!("latency-{tag}.db"));
@@ -441,8 +456,10 @@ fn run_one(
             .recv_timeout(Duration::from_secs(10))
             .context("consumer did not subscribe")?;
         let watch = StealWatch::start();
+        let threads = ThreadWatch::start(broker.child.id());
         sent = publish_paced(broker.port, &format!("{client_id}-pub"), &topic, n, rate)?;
         let consumed = consumer.join().expect("consumer thread");
+        cpu = threads.stop();
         steal = watch.stop();
         consumed
     })?;
@@ -521,6 +538,7 @@ fn run_one(
         published: kept.iter().map(|&(p, _, _)| p).collect(),
         wal_restarts,
         steal,
+        cpu,
     };
     Ok((lat, achieved, written))
 }
@@ -671,6 +689,8 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
     // [level]: the inbox runs' (publish time, latency) and the WAL's restarts, pooled over rounds.
     let mut timed: Vec<Vec<(u64, Duration)>> = vec![Vec::new(); 1 + LOADS.len()];
     let mut restarts: Vec<Vec<u64>> = vec![Vec::new(); 1 + LOADS.len()];
+    // [kind][level]: CPU ticks by thread name, summed over the rounds.
+    let mut cpu: Vec<Vec<BTreeMap<String, u64>>> = vec![vec![BTreeMap::new(); 1 + LOADS.len()]; 2];
     // [kind][level]: the most the hypervisor took in a run, over the rounds.
     let mut steal: Vec<Vec<Option<Steal>>> = vec![vec![None; 1 + LOADS.len()]; 2];
     let mut note_steal = |k: usize, level: usize, s: Option<Steal>| {
@@ -692,6 +712,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
                 prefill,
             )?;
             note_steal(k, 0, l.steal);
+            add_ticks(&mut cpu[k][0], &l.cpu);
             lat[k][0].add(l.parts);
             sat[k].push(rate);
             if kind == Kind::Inbox {
@@ -717,6 +738,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
                     restarts[1 + j].extend(l.wal_restarts.iter().copied());
                 }
                 note_steal(k, 1 + j, l.steal);
+                add_ticks(&mut cpu[k][1 + j], &l.cpu);
                 lat[k][1 + j].add(l.parts);
                 if kind == Kind::Inbox {
                     bytes[1 + j].0.add(w);
@@ -908,6 +930,31 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
             );
         }
         println!("{}", line.trim_end_matches(';'));
+    }
+    // Which threads, and so which side of the machine (`--split-cores`), a run kept busy.
+    if cpu.iter().flatten().any(|c| !c.is_empty()) {
+        println!(
+            "\nCPU time by thread while each run published and consumed, ms per 1,000 deliveries (each thread \
+             read every 50 ms; the thread named after this program is its main thread, which paces the publishes; \
+             mosquitto is the broker's process):\n"
+        );
+        let per_1000 = |ticks: u64| TICK.as_secs_f64() * ticks as f64 * 1e6 / (n * rounds) as f64;
+        for (level, (inbox, bare)) in cpu[0].iter().zip(&cpu[1]).enumerate() {
+            for (who, threads) in [("`Consumer`", inbox), ("bare", bare)] {
+                let each: Vec<String> = threads
+                    .iter()
+                    .filter(|(_, &t)| t > 0)
+                    .map(|(name, &t)| format!("{name} {:.1}", per_1000(t)))
+                    .collect();
+                println!(
+                    "- {} {who}: {} (all {:.1})",
+                    level_label(level),
+                    each.join(", "),
+                    per_1000(threads.values().sum())
+                );
+            }
+        }
+        println!();
     }
     for level in 1..=LOADS.len() {
         tail_report(

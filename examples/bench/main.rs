@@ -57,6 +57,8 @@ mod steal;
 mod table;
 #[cfg(feature = "mqtt")]
 mod tail_trace;
+#[cfg(feature = "mqtt")]
+mod threads;
 
 use allocations::{allocations, trace_allocations};
 use instructions::{instructions, wal_frames};
