@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use edge_inbox::{Consumer, Delivery, Inbox, MqttConfig, Tx};
+use edge_inbox::{Consumer, Delivery, Inbox, MqttConfig, StopHandle, Tx};
 use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{Client, Event, MqttOptions};
@@ -223,6 +223,42 @@ pub(crate) fn bare_consume(
     }
 }
 
+/// A `Consumer` run's deliveries, counted in its handler. At the last one it checks where the consumer's threads
+/// run (`--split-cores`; they all still run then) and stops the consumer, so that the batch holding that
+/// delivery commits and acks before `run` returns.
+pub(crate) struct Countdown {
+    stop: StopHandle,
+    n: usize,
+    seen: usize,
+    placed: anyhow::Result<()>,
+}
+
+impl Countdown {
+    pub(crate) fn new(stop: StopHandle, n: usize) -> Countdown {
+        Countdown {
+            stop,
+            n,
+            seen: 0,
+            placed: Ok(()),
+        }
+    }
+
+    /// Counts a delivery; returns how many so far.
+    pub(crate) fn count(&mut self) -> usize {
+        self.seen += 1;
+        if self.seen == self.n {
+            self.placed = super::cores::check_placement();
+            self.stop.stop();
+        }
+        self.seen
+    }
+
+    /// The placement check's verdict (always fine without the split).
+    pub(crate) fn placed(self) -> anyhow::Result<()> {
+        self.placed
+    }
+}
+
 /// CPU time (user + system) of a process so far, in clock ticks (1/100 s on Linux).
 fn cpu_ticks(pid: &str) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -324,22 +360,11 @@ impl E2eContender {
                                 .batch(batch, Duration::ZERO)
                                 .overlap_syncs(super::overlap_syncs())
                                 .exit_when_idle(Duration::from_secs(30));
-                            let stop = consumer.stop_handle();
-                            let mut seen = 0usize;
-                            let mut n: u64 = 0;
-                            // `--split-cores`: read while the library's threads all run.
-                            let mut placed = Ok(());
-                            // The trivial handler of the table, counting: the stop lets the batch that
-                            // holds the last delivery commit and ack before `run` returns.
+                            let mut last = Countdown::new(consumer.stop_handle(), len);
+                            // The trivial handler of the table, counting.
                             let handler =
                                 |tx: &mut Tx<'_>, _d: &Delivery<'_>| -> anyhow::Result<()> {
-                                    n += 1;
-                                    tx.put("counter", &n)?;
-                                    seen += 1;
-                                    if seen == len {
-                                        placed = super::cores::check_placement();
-                                        stop.stop();
-                                    }
+                                    tx.put("counter", &(last.count() as u64))?;
                                     Ok(())
                                 };
                             // The broker keeps the session: the first run subscribes, later ones find
@@ -359,7 +384,7 @@ impl E2eContender {
                                     && summary.duplicates == 0,
                                 "consumer: {summary:?}, expected {len} processed and acked"
                             );
-                            placed?;
+                            last.placed()?;
                             Ok((end, summary.acked))
                         })?
                 }

@@ -25,7 +25,7 @@ use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{Client, Event, MqttOptions};
 use rumqttc::Outgoing;
 
-use super::e2e::{bare_consume, mosquitto_exe, Mosquitto, INFLIGHT, SLICE_DEADLINE};
+use super::e2e::{bare_consume, mosquitto_exe, Countdown, Mosquitto, INFLIGHT, SLICE_DEADLINE};
 use super::field_vfs::{self, Written};
 use super::steal::{Steal, StealWatch};
 use super::table::median;
@@ -419,21 +419,13 @@ fn run_one(
                         let mut consumer = Consumer::new(inbox, super::SCOPE, mqtt)
                             .overlap_syncs(super::overlap_syncs())
                             .exit_when_idle(Duration::from_secs(30));
-                        let stop = consumer.stop_handle();
-                        let mut seen = 0usize;
-                        // `--split-cores`: read while the library's threads all run.
-                        let mut placed = Ok(());
+                        let mut last = Countdown::new(consumer.stop_handle(), n);
                         let handler = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
                             if let Some(stamp) = d.payload.get(..8) {
                                 let stamp = u64::from_le_bytes(stamp.try_into()?);
                                 super::tail_trace::handled(stamp, now_ns());
                             }
-                            seen += 1;
-                            tx.put("counter", &(seen as u64))?;
-                            if seen == n {
-                                placed = super::cores::check_placement();
-                                stop.stop();
-                            }
+                            tx.put("counter", &(last.count() as u64))?;
                             Ok(())
                         };
                         let waker = std::thread::spawn(move || {
@@ -447,7 +439,7 @@ fn run_one(
                             summary.processed == n as u64 && summary.acked == n as u64,
                             "consumer: {summary:?}, expected {n} processed and acked"
                         );
-                        placed?;
+                        last.placed()?;
                         Ok(())
                     })?
             }
