@@ -259,6 +259,15 @@ impl Countdown {
     }
 }
 
+/// Signals `ready` 300 ms from now, on a thread of its own: a `Consumer` has no subscribed event to wait for,
+/// so a run starts publishing once its poll thread has had time to connect and subscribe.
+pub(crate) fn ready_soon(ready: mpsc::Sender<()>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        let _ = ready.send(());
+    })
+}
+
 /// CPU time (user + system) of a process so far, in clock ticks (1/100 s on Linux).
 fn cpu_ticks(pid: &str) -> u64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -368,11 +377,8 @@ impl E2eContender {
                                     Ok(())
                                 };
                             // The broker keeps the session: the first run subscribes, later ones find
-                            // their deliveries queued. Ready once the poll thread has had time to connect.
-                            let waker = std::thread::spawn(move || {
-                                std::thread::sleep(Duration::from_millis(300));
-                                let _ = ready_tx.send(());
-                            });
+                            // their deliveries queued.
+                            let waker = ready_soon(ready_tx);
                             let summary = consumer.run(handler);
                             let end = Instant::now();
                             let _ = waker.join();

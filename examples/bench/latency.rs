@@ -25,7 +25,9 @@ use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::{Client, Event, MqttOptions};
 use rumqttc::Outgoing;
 
-use super::e2e::{bare_consume, mosquitto_exe, Countdown, Mosquitto, INFLIGHT, SLICE_DEADLINE};
+use super::e2e::{
+    bare_consume, mosquitto_exe, ready_soon, Countdown, Mosquitto, INFLIGHT, SLICE_DEADLINE,
+};
 use super::field_vfs::{self, Written};
 use super::steal::{Steal, StealWatch};
 use super::table::median;
@@ -428,10 +430,7 @@ fn run_one(
                             tx.put("counter", &(last.count() as u64))?;
                             Ok(())
                         };
-                        let waker = std::thread::spawn(move || {
-                            std::thread::sleep(Duration::from_millis(300));
-                            let _ = ready_tx.send(());
-                        });
+                        let waker = ready_soon(ready_tx);
                         let summary = consumer.run(handler);
                         let _ = waker.join();
                         let summary = summary?;
