@@ -31,7 +31,7 @@ use super::e2e::{
 use super::field_vfs::{self, Written};
 use super::steal::{Steal, StealWatch};
 use super::table::median;
-use super::threads::{ThreadWatch, TICK};
+use super::threads::{ThreadWatch, Usage};
 
 /// Loads offered, as fractions of the saturation rate.
 const LOADS: [f64; 3] = [0.1, 0.5, 0.9];
@@ -310,10 +310,10 @@ fn timed_id(client_id: &str, i: u64) -> String {
     super::shaped_id(super::stream_id(client_id, i), super::HISTORY + i)
 }
 
-/// Adds one run's CPU ticks by thread name to a pool.
-fn add_ticks(pool: &mut BTreeMap<String, u64>, run: &BTreeMap<String, u64>) {
-    for (name, ticks) in run {
-        *pool.entry(name.clone()).or_insert(0) += ticks;
+/// Adds one run's CPU time and waits by thread name to a pool.
+fn add_usage(pool: &mut BTreeMap<String, Usage>, run: &BTreeMap<String, Usage>) {
+    for (name, used) in run {
+        *pool.entry(name.clone()).or_default() += *used;
     }
 }
 
@@ -361,8 +361,8 @@ struct Latencies {
     wal_restarts: Vec<u64>,
     /// What the hypervisor took from the machine while the messages were published and consumed.
     steal: Option<Steal>,
-    /// CPU ticks by thread name (and the broker's) meanwhile.
-    cpu: BTreeMap<String, u64>,
+    /// CPU time and waits for a core by thread name (and the broker's) meanwhile.
+    cpu: BTreeMap<String, Usage>,
 }
 
 /// One run: a fresh consumer (and for the inbox a fresh file) takes `n` messages offered at `rate`. Returns
@@ -680,8 +680,9 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
     // [level]: the inbox runs' (publish time, latency) and the WAL's restarts, pooled over rounds.
     let mut timed: Vec<Vec<(u64, Duration)>> = vec![Vec::new(); 1 + LOADS.len()];
     let mut restarts: Vec<Vec<u64>> = vec![Vec::new(); 1 + LOADS.len()];
-    // [kind][level]: CPU ticks by thread name, summed over the rounds.
-    let mut cpu: Vec<Vec<BTreeMap<String, u64>>> = vec![vec![BTreeMap::new(); 1 + LOADS.len()]; 2];
+    // [kind][level]: CPU time and waits by thread name, summed over the rounds.
+    let mut cpu: Vec<Vec<BTreeMap<String, Usage>>> =
+        vec![vec![BTreeMap::new(); 1 + LOADS.len()]; 2];
     // [kind][level]: the most the hypervisor took in a run, over the rounds.
     let mut steal: Vec<Vec<Option<Steal>>> = vec![vec![None; 1 + LOADS.len()]; 2];
     let mut note_steal = |k: usize, level: usize, s: Option<Steal>| {
@@ -703,7 +704,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
                 prefill,
             )?;
             note_steal(k, 0, l.steal);
-            add_ticks(&mut cpu[k][0], &l.cpu);
+            add_usage(&mut cpu[k][0], &l.cpu);
             lat[k][0].add(l.parts);
             sat[k].push(rate);
             if kind == Kind::Inbox {
@@ -729,7 +730,7 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
                     restarts[1 + j].extend(l.wal_restarts.iter().copied());
                 }
                 note_steal(k, 1 + j, l.steal);
-                add_ticks(&mut cpu[k][1 + j], &l.cpu);
+                add_usage(&mut cpu[k][1 + j], &l.cpu);
                 lat[k][1 + j].add(l.parts);
                 if kind == Kind::Inbox {
                     bytes[1 + j].0.add(w);
@@ -925,23 +926,39 @@ pub fn run(dir: &Path, n: usize, rounds: usize, prefill: usize) -> anyhow::Resul
     // Which threads, and so which side of the machine (`--split-cores`), a run kept busy.
     if cpu.iter().flatten().any(|c| !c.is_empty()) {
         println!(
-            "\nCPU time by thread while each run published and consumed, ms per 1,000 deliveries (each thread \
-             read every 50 ms; the thread named after this program is its main thread, which paces the publishes; \
-             mosquitto is the broker's process):\n"
+            "\nCPU time by thread while each run published and consumed, ms per 1,000 deliveries, and \
+             in brackets the time it waited for a core while runnable (ms per 1,000 deliveries) and the \
+             times it was put on a core (per delivery). Each thread is read every 50 ms; the thread named \
+             after this program is its main thread, which paces the publishes; mosquitto is the broker's \
+             process.\n"
         );
-        let per_1000 = |ticks: u64| TICK.as_secs_f64() * ticks as f64 * 1e6 / (n * rounds) as f64;
+        let deliveries = (n * rounds) as f64;
+        let ms = |ns: u64| ns as f64 / 1e3 / deliveries;
+        let shown = |u: &Usage| match u.sched {
+            Some(s) => format!(
+                "{:.1} [{:.1}; {:.2}]",
+                ms(u.cpu_ns),
+                ms(s.waited_ns),
+                s.runs as f64 / deliveries
+            ),
+            None => format!("{:.1}", ms(u.cpu_ns)),
+        };
         for (level, (inbox, bare)) in cpu[0].iter().zip(&cpu[1]).enumerate() {
             for (who, threads) in [("`Consumer`", inbox), ("bare", bare)] {
                 let each: Vec<String> = threads
                     .iter()
-                    .filter(|(_, &t)| t > 0)
-                    .map(|(name, &t)| format!("{name} {:.1}", per_1000(t)))
+                    .filter(|(_, u)| ms(u.cpu_ns) >= 0.05)
+                    .map(|(name, u)| format!("{name} {}", shown(u)))
                     .collect();
+                let mut all = Usage::default();
+                for u in threads.values() {
+                    all += *u;
+                }
                 println!(
-                    "- {} {who}: {} (all {:.1})",
+                    "- {} {who}: {} (all {})",
                     level_label(level),
                     each.join(", "),
-                    per_1000(threads.values().sum())
+                    shown(&all)
                 );
             }
         }
