@@ -3,7 +3,9 @@
 mod deferred_support;
 
 use deferred_support::*;
-use edge_inbox::{Delivery, Error, MessageState, Outcome, Status, Worker, WorkerConfig};
+use edge_inbox::{
+    Delivery, Error, MessageState, Outcome, RetentionPolicy, Status, Worker, WorkerConfig,
+};
 
 #[test]
 fn receive_stores_pending_and_redelivery_is_duplicate() {
@@ -274,4 +276,85 @@ fn empty_payload_is_stored_and_processed_not_mistaken_for_pruned() {
         .unwrap();
     assert_eq!(drained.processed, 1);
     assert_eq!(seen, Some((0, Some(7), Some(1_700_000_000))));
+}
+
+/// A body kept pending or dead-lettered after its sequence left the watermark window has no identity of its
+/// own. The same id arriving again with a new sequence meets the body, and is compared with it by content: a
+/// conflict is recorded and answered as one (again at its next arrival), the same content is a duplicate.
+#[test]
+fn an_open_body_past_the_watermark_window_is_compared_by_content() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = open(&dir.path().join("inbox.db"));
+    inbox
+        .set_retention(SCOPE, &RetentionPolicy::new().sequence_watermarks(1))
+        .unwrap();
+    let numbered = |id: &'static str, producer: &'static str, seq: u64, payload: &'static [u8]| {
+        Delivery::new(SCOPE, id, "orders/1", payload)
+            .with_producer(producer)
+            .with_sequence(seq)
+    };
+    let x = numbered("X", "p", 1, b"A");
+    assert!(matches!(inbox.receive(&x).unwrap(), Outcome::Received));
+    let y = numbered("Y", "q", 1, b"A");
+    assert!(matches!(
+        inbox.dead_letter(&y, "refused").unwrap(),
+        Outcome::Processed
+    ));
+    // The window (128 sequences) slides past sequence 1 of both producers.
+    let ids: Vec<String> = (2..=200u64).map(|i| format!("m{i}")).collect();
+    for (i, id) in (2..=200u64).zip(&ids) {
+        for producer in ["p", "q"] {
+            let d = Delivery::new(SCOPE, id, "orders/1", b"z")
+                .with_producer(producer)
+                .with_sequence(i);
+            assert!(matches!(inbox.receive(&d).unwrap(), Outcome::Received));
+        }
+    }
+    let conflicts = |inbox: &edge_inbox::Inbox| -> i64 {
+        inbox
+            .connection()
+            .query_row("SELECT count(*) FROM conflicts", [], |r| r.get(0))
+            .unwrap()
+    };
+
+    let x_other = numbered("X", "p", 201, b"B");
+    for arrival in 0..2 {
+        match inbox.receive(&x_other).unwrap() {
+            Outcome::Conflict { stored, received } => {
+                assert_eq!(stored, x.fingerprint());
+                assert_eq!(received, x_other.fingerprint());
+            }
+            o => panic!("arrival {arrival} of other content: expected a conflict, got {o:?}"),
+        }
+    }
+    assert_eq!(conflicts(&inbox), 1, "one record, two arrivals");
+    assert!(matches!(
+        inbox.receive(&numbered("X", "p", 202, b"A")).unwrap(),
+        Outcome::Duplicate
+    ));
+
+    // The dead letter's body the same way, through both entry points.
+    let y_other = numbered("Y", "q", 201, b"B");
+    assert!(matches!(
+        inbox.receive(&y_other).unwrap(),
+        Outcome::Conflict { .. }
+    ));
+    assert!(matches!(
+        inbox
+            .dead_letter(&numbered("Y", "q", 202, b"C"), "refused")
+            .unwrap(),
+        Outcome::Conflict { .. }
+    ));
+    assert!(matches!(
+        inbox
+            .dead_letter(&numbered("Y", "q", 203, b"A"), "refused")
+            .unwrap(),
+        Outcome::Duplicate
+    ));
+    assert_eq!(conflicts(&inbox), 3);
+
+    // Nothing stored twice: X still pending once, Y dead-lettered once, beside the 398 others.
+    assert_eq!(states(&inbox), [1 + 398, 0, 0, 1]);
+    let stats = inbox.scope_stats(SCOPE).unwrap();
+    assert_eq!((stats.duplicates, stats.conflicts), (2, 4));
 }

@@ -1,7 +1,8 @@
 //! Dead letters: a delivery the handler keeps refusing is kept, with its reason, instead of being retried forever.
 
+use crate::deferred::receive::open_body_clash;
 use crate::inbox::{claim_identity, Claim, Inbox};
-use crate::store::error::Result;
+use crate::store::error::{is_unique_violation, Result};
 use crate::store::identity::Delivery;
 use crate::store::outcome::{MessageState, Outcome};
 use crate::store::txn::{begin, commit, unix_now};
@@ -62,22 +63,11 @@ impl Inbox {
         let claim = claim_identity(&self.conn, d, scope_id, rules, now)?;
         let rows = claim.rows();
         if let Claim::Settled(outcome) = claim {
-            // Expired deliveries and sequence conflicts were counted where they were found.
-            let column = match outcome {
-                Outcome::Conflict { .. } => Some("conflicts = conflicts + 1"),
-                Outcome::Duplicate => Some("duplicates = duplicates + 1"),
-                _ => None,
-            };
-            if let Some(column) = column {
-                self.conn
-                    .prepare_cached(&format!(
-                        "UPDATE scope_stats SET {column} WHERE scope_id = ?1"
-                    ))?
-                    .execute([scope_id])?;
-            }
-            return Ok(outcome);
+            return self.count_settled(scope_id, outcome);
         }
-        self.conn
+        let id_hash = d.id_hash(&self.conn.id_key);
+        let inserted = self
+            .conn
             .prepare_cached(
                 "INSERT INTO messages (scope_id, id_hash, producer, message_id, topic, payload, state, attempts, \
                  last_error, received_at, finished_at, sequence, sent_at) \
@@ -85,7 +75,7 @@ impl Inbox {
             )?
             .execute((
                 scope_id,
-                d.id_hash(&self.conn.id_key).as_bytes(),
+                id_hash.as_bytes(),
                 d.producer,
                 d.message_id,
                 d.topic,
@@ -96,7 +86,16 @@ impl Inbox {
                 now,
                 d.sequence.map(|s| s as i64),
                 d.sent_at,
-            ))?;
+            ));
+        match inserted {
+            Ok(_) => {}
+            // An open or dead-lettered body of the same id without an identity of its own.
+            Err(e) if is_unique_violation(&e) => {
+                let outcome = open_body_clash(&self.conn, d, scope_id, &id_hash, now)?;
+                return self.count_settled(scope_id, outcome);
+            }
+            Err(e) => return Err(e.into()),
+        }
         self.conn
             .prepare_cached(
                 // A dead letter's identity row is not a processed delivery (see `schema.sql`).
@@ -105,6 +104,24 @@ impl Inbox {
             )?
             .execute((scope_id, rows))?;
         Ok(Outcome::Processed)
+    }
+
+    /// Counts a delivery that was not dead-lettered because its identity or its body was already kept.
+    /// Expired deliveries and sequence conflicts were counted where they were found.
+    fn count_settled(&mut self, scope_id: i64, outcome: Outcome) -> Result<Outcome> {
+        let column = match outcome {
+            Outcome::Conflict { .. } => Some("conflicts = conflicts + 1"),
+            Outcome::Duplicate => Some("duplicates = duplicates + 1"),
+            _ => None,
+        };
+        if let Some(column) = column {
+            self.conn
+                .prepare_cached(&format!(
+                    "UPDATE scope_stats SET {column} WHERE scope_id = ?1"
+                ))?
+                .execute([scope_id])?;
+        }
+        Ok(outcome)
     }
 }
 

@@ -2,9 +2,11 @@
 //! acked before its effect is applied. Workers ([`crate::Worker`]) apply it later.
 
 use crate::inbox::{claim_identity, Claim, Inbox};
+use crate::store::db::Db;
 use crate::store::error::{is_unique_violation, Error, InvalidDelivery, Result};
-use crate::store::identity::Delivery;
+use crate::store::identity::{Delivery, Fingerprint, IdHash};
 use crate::store::outcome::Outcome;
+use crate::store::records;
 use crate::store::txn::{begin, commit, unix_now};
 
 /// Duplicate and conflict counts of one receive transaction, per scope.
@@ -204,18 +206,73 @@ fn store_pending(
     );
     match insert.execute(row) {
         Ok(_) => Ok(Outcome::Received),
-        Err(e) if is_unique_violation(&e) => {
-            // An open or dead-lettered body without an identity (something deleted the identity): its
-            // obligation already exists, a duplicate. A processed body of the same id (its identity pruned by
-            // the horizon: the door is open again by design) is not in the index and stays as history.
-            log::warn!(
-                "scope {}: message {:?} has an open or dead-lettered body but no identity; identity restored, \
-                 not stored again",
-                d.scope,
-                d.message_id
-            );
-            Ok(Outcome::Duplicate)
-        }
+        Err(e) if is_unique_violation(&e) => open_body_clash(conn, d, scope_id, &id_hash, now),
         Err(e) => Err(e.into()),
     }
+}
+
+/// A delivery whose identity was just claimed met an open or dead-lettered body of the same id that has no
+/// identity of its own: in a scope with sequence watermarks, a body that outlived its sequence's place in
+/// the window, or a body whose identity row was deleted. The body's content decides, as an identity row's
+/// would: the same content is a duplicate, other content a recorded conflict, never a silent duplicate. A
+/// processed body of the same id (its identity pruned by the horizon: the door is open again by design) is
+/// not in the index and stays as history.
+///
+/// The claim stays: the identity row or the remembered sequence it added gives the body its identity back.
+/// On a conflict they take the stored content's fingerprint, so that a later arrival of either content
+/// compares against what is kept.
+pub(crate) fn open_body_clash(
+    conn: &Db,
+    d: &Delivery<'_>,
+    scope_id: i64,
+    id_hash: &IdHash,
+    now: i64,
+) -> Result<Outcome> {
+    // The index's own condition (`state IN (0, 2, 3)`), so the lookup uses it. The insert's constraint named
+    // this body a moment ago, in the same transaction: not finding it is a storage error.
+    let (topic, payload): (String, Option<Vec<u8>>) = conn
+        .prepare_cached(
+            "SELECT topic, payload FROM messages WHERE scope_id = ?1 AND id_hash = ?2 AND state IN (0, 2, 3)",
+        )?
+        .query_row((scope_id, id_hash.as_bytes()), |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let stored = Fingerprint::of(&topic, payload.as_deref().unwrap_or_default());
+    let received = d.fingerprint();
+    if stored == received {
+        log::warn!(
+            "scope {}: message {:?} arrived again while its open or dead-lettered body has no identity of its \
+             own; a duplicate, not stored again",
+            d.scope,
+            d.message_id
+        );
+        return Ok(Outcome::Duplicate);
+    }
+    let new = records::conflict(
+        conn,
+        &records::Conflict {
+            scope_id,
+            id_hash,
+            producer: d.producer,
+            message_id: d.message_id,
+            topic: d.topic,
+            stored,
+            received,
+        },
+        now,
+    )?;
+    for table in ["identities", "watermark_recent"] {
+        conn.prepare_cached(&format!(
+            "UPDATE {table} SET fingerprint = ?3 WHERE scope_id = ?1 AND id_hash = ?2"
+        ))?
+        .execute((scope_id, id_hash.as_bytes(), stored.to_sql()))?;
+    }
+    if new {
+        log::warn!(
+            "conflict in scope {}: message id {:?} (producer {:?}) arrived with fingerprint {received}, \
+             kept (not yet processed) with {stored}; recorded, not stored",
+            d.scope,
+            d.message_id,
+            d.producer
+        );
+    }
+    Ok(Outcome::Conflict { stored, received })
 }
