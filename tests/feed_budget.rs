@@ -118,3 +118,86 @@ fn acks_without_room_when_the_feed_closes_are_counted_as_left_unacked() {
         "{summary:?}"
     );
 }
+
+/// Pass-throughs (QoS1 publishes of the application's other topics) hold room in the budget until the commit
+/// loop takes them: a flood of them behind a handler that is busy stops the reader, instead of piling up in
+/// the loop's channel, and it goes on once the handler returns.
+#[test]
+fn pass_throughs_behind_a_busy_handler_wait_for_room_in_the_budget() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("d.db"), Config::default()).unwrap();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let go_rx = Mutex::new(go_rx);
+    let handler = move |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        // Bounded: a test that fails still ends.
+        let _ = go_rx.lock().unwrap().recv_timeout(Duration::from_secs(60));
+        tx.put(d.message_id, &1u8)?;
+        Ok(())
+    };
+    // Nobody polls this client: the acks wait in the core, as runs of packet ids.
+    let options = rumqttc::v5::MqttOptions::new("never-polled", "127.0.0.1", 1);
+    let (client, _eventloop) = rumqttc::v5::Client::new(options, 10);
+    let budget = 16 << 10;
+    // Batches of one: the loop commits the first delivery, and so calls the handler, as soon as it has it.
+    let (mut feed, commits) = ConsumerCore::new(inbox, "commands")
+        .memory_budget(budget)
+        .batch(1, Duration::ZERO)
+        .spawn(handler, client, 20)
+        .unwrap();
+    let total = 100_000usize;
+    let handed = Arc::new(AtomicUsize::new(0));
+    let counter = handed.clone();
+    let reader = std::thread::spawn(move || {
+        feed.connected(false).unwrap();
+        let inbound =
+            Inbound::new("cmd/a", b"x".to_vec()).with_user_property("message-id", "first");
+        feed.publish(inbound, Some(1)).unwrap();
+        for i in 0..total {
+            feed.pass_through(2 + (i % 60_000) as u16).unwrap();
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        feed
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let held = handed.load(Ordering::Relaxed);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !reader.is_finished(),
+        "{total} pass-throughs were handed over behind a busy handler"
+    );
+    assert_eq!(
+        handed.load(Ordering::Relaxed),
+        held,
+        "the reader must wait while the budget is full"
+    );
+    assert!(
+        held > 0 && held < 1000,
+        "{held} pass-throughs in a budget of {budget} bytes"
+    );
+
+    go_tx.send(()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !reader.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "the reader still waits after the handler returned"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut feed = reader.join().unwrap();
+    assert_eq!(handed.load(Ordering::Relaxed), total);
+    // The acks of this connection are then stale: the loop drops them instead of waiting for room.
+    feed.lost(|| {}).unwrap();
+    drop(feed);
+    let (_, summary) = commits.join();
+    let summary = summary.unwrap();
+    assert_eq!(summary.processed, 1, "{summary:?}");
+    assert!(
+        summary.peak_held_bytes <= budget as u64 + 1024,
+        "peak {} over a budget of {budget}",
+        summary.peak_held_bytes
+    );
+}

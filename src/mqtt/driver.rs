@@ -64,18 +64,18 @@ impl std::error::Error for FeedClosed {}
 /// connection and keeps the [`AckGate`] in step, so the commit thread never sends an ack on a newer
 /// connection.
 ///
-/// [`Feed::publish`] blocks while the deliveries handed over and not yet committed hold more than the memory
-/// budget ([`ConsumerCore::memory_budget`], 2 MiB by default; the `Consumer`'s is
-/// [`Consumer::memory_budget`](crate::Consumer::memory_budget)): the caller stops polling the event loop, so
-/// nothing more is read from the socket and TCP pushes back on the broker. This never deadlocks on the
-/// client's request channel, which only this caller drains (by polling): while it is full of acks, the commit
-/// thread keeps the next acks (in order, as runs of packet ids) and goes on committing, and the room that
-/// frees in the budget brings this caller back to polling. Only while a commit thread that is ending
-/// (stopped, or idle) waits to queue its last acks is the limit lifted (at most 10 s). A request channel
-/// (rumqttc's `cap`) of about a thousand is enough: rumqttc's queue keeps the largest size it reached, at
-/// 216 bytes a request in MQTT 5. A handler that panics closes the feed: a caller waiting here is let go.
-/// On an async executor, wrap it in an `AsyncFeed` (feature `tokio`), which waits on the blocking pool, or
-/// keep the event loop on a thread of its own.
+/// [`Feed::publish`] (and [`Feed::pass_through`], for its event) blocks while the deliveries handed over and
+/// not yet committed hold more than the memory budget ([`ConsumerCore::memory_budget`], 2 MiB by default; the
+/// `Consumer`'s is [`Consumer::memory_budget`](crate::Consumer::memory_budget)): the caller stops polling the
+/// event loop, so nothing more is read from the socket and TCP pushes back on the broker. This never
+/// deadlocks on the client's request channel, which only this caller drains (by polling): while it is full of
+/// acks, the commit thread keeps the next acks (in order, as runs of packet ids) and goes on committing, and
+/// the room that frees in the budget brings this caller back to polling. Only while a commit thread that is
+/// ending (stopped, or idle) waits to queue its last acks is the limit lifted (at most 10 s). A request
+/// channel (rumqttc's `cap`) of about a thousand is enough: rumqttc's queue keeps the largest size it
+/// reached, at 216 bytes a request in MQTT 5. A handler that panics closes the feed: a caller waiting here is
+/// let go. On an async executor, wrap it in an `AsyncFeed` (feature `tokio`), which waits on the blocking
+/// pool, or keep the event loop on a thread of its own.
 pub struct Feed {
     tx: Sender<Event>,
     gate: AckGate,
@@ -213,7 +213,11 @@ impl Feed {
     /// A QoS1 publish of the same connection that the inbox does not handle (another subscription): the
     /// application has dealt with it, and the commit thread acks it in turn (MQTT requires PUBACKs in
     /// arrival order, so it must not be acked ahead of inbox deliveries received before it).
+    ///
+    /// Blocks, as [`Feed::publish`] does, while the memory budget is full: a flood of them while the commit
+    /// loop is busy (a slow handler, storage being retried) would otherwise pile up in its channel.
     pub fn pass_through(&mut self, packet_id: u16) -> std::result::Result<(), FeedClosed> {
+        self.budget.acquire(PASS_THROUGH_HELD);
         self.send(Event::PassThrough {
             connection: self.current,
             packet_id,
@@ -230,6 +234,10 @@ impl Feed {
         &self.gate
     }
 }
+
+/// What a pass-through holds of the budget until the commit loop takes it from the channel: its event. The
+/// loop then keeps only its packet id, among the acks.
+const PASS_THROUGH_HELD: usize = std::mem::size_of::<Event>();
 
 /// A feed and the receiving end for the commit loop. The channel itself is unbounded: `budget` bounds
 /// the deliveries in it (a channel sized for them would allocate all its slots up front).
@@ -467,6 +475,7 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                     connection,
                     packet_id,
                 } => {
+                    self.budget.release(PASS_THROUGH_HELD);
                     self.core.pass_through(connection, packet_id);
                     if self.core.unsettled() == 0 {
                         self.send_acks();
@@ -547,7 +556,8 @@ impl<'a, S: PubAckSender> Driver<'a, S> {
                         self.core.connection_lost_because(connection, cause)
                     }
                     Event::Subscribed { connection } => self.core.subscribed(connection),
-                    Event::PassThrough { .. } | Event::Synced | Event::Closed => {}
+                    Event::PassThrough { .. } => self.budget.release(PASS_THROUGH_HELD),
+                    Event::Synced | Event::Closed => {}
                     Event::Failed(e) => failed = Some(e),
                 }
             }
