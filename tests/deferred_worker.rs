@@ -620,3 +620,81 @@ fn worker_survives_a_panicking_handler_and_commits_nothing_for_it() {
     assert_eq!(effects(&inbox), (3, 3, 1));
     assert_eq!(states(&inbox), [0, 3, 0, 0]);
 }
+
+/// A handler whose writes break a deferred foreign key makes the batch's `COMMIT` fail. The worker then
+/// applies the claims one per transaction, and the message at fault counts failed attempts until it is
+/// dead-lettered, as a handler error would; the others are processed, and the worker never stops.
+#[test]
+fn a_refused_commit_costs_the_message_at_fault_an_attempt_not_the_worker_its_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = open(&path);
+    inbox
+        .connection()
+        .execute_batch(
+            "CREATE TABLE parents (id INTEGER PRIMARY KEY);
+             INSERT INTO parents (id) VALUES (1);
+             CREATE TABLE children (message_id TEXT PRIMARY KEY,
+                 parent INTEGER NOT NULL REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED);",
+        )
+        .unwrap();
+    receive_n(&mut inbox, 10);
+    let config = WorkerConfig::default()
+        .max_attempts(3)
+        .backoff(Duration::ZERO, Duration::ZERO)
+        .batch(4);
+    let mut w = worker(&path, config);
+    // Foreign keys are enforced per connection.
+    w.inbox()
+        .connection()
+        .execute_batch("PRAGMA foreign_keys = ON")
+        .unwrap();
+    let mut handler = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        count_effect(tx, d)?;
+        let parent = if d.message_id == "m-3" { 999 } else { 1 };
+        tx.sql().execute(
+            "INSERT INTO children (message_id, parent) VALUES (?1, ?2)",
+            (d.message_id, parent),
+        )?;
+        Ok(())
+    };
+    let mut total = edge_inbox::Drained::default();
+    until("dead letter", Duration::from_secs(60), || {
+        let d = w.run_once(&mut handler).unwrap();
+        total.processed += d.processed;
+        total.retrying += d.retrying;
+        total.dead_lettered += d.dead_lettered;
+        d.claimed == 0
+    });
+    assert_eq!(
+        (total.processed, total.retrying, total.dead_lettered),
+        (9, 2, 1)
+    );
+    assert_eq!(
+        effects(&inbox),
+        (9, 9, 1),
+        "the refused commits left no effect"
+    );
+    let children: i64 = inbox
+        .connection()
+        .query_row("SELECT count(*) FROM children", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(children, 9);
+    assert_eq!(states(&inbox), [0, 9, 0, 1]);
+    let dead = inbox.dead_letters(SCOPE, 10).unwrap();
+    assert_eq!((dead[0].message_id.as_str(), dead[0].attempts), ("m-3", 3));
+    assert!(
+        dead[0]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("COMMIT refused by a deferred constraint"),
+        "{:?}",
+        dead[0].last_error
+    );
+    let stats = inbox.scope_stats(SCOPE).unwrap();
+    assert_eq!(
+        (stats.processed, stats.handler_failures, stats.dead_lettered),
+        (9, 3, 1)
+    );
+}

@@ -378,8 +378,13 @@ impl Worker {
     /// identity is ensured; the handler runs. A handler failure rolls back its own effect and state change and
     /// records the failure (backoff or dead letter) instead.
     ///
-    /// An `Err` (storage trouble, or a handler that ended the transaction) commits nothing of the batch and
-    /// consumes no attempts; the leases are given back when possible, else they expire.
+    /// A `COMMIT` refused by a deferred constraint of the application's tables (a deferred foreign key, say)
+    /// is not an `Err`: as [`Inbox::process_batch`](crate::Inbox::process_batch) does, the claims are then
+    /// applied one per transaction, and the one whose own commit is refused records a failed attempt.
+    ///
+    /// An `Err` (storage trouble, or a handler that ended the transaction) commits nothing of the transaction
+    /// it ended and consumes no attempts; the leases are given back when possible, else they expire. After a
+    /// refused commit, the claims applied one by one before the error stay committed.
     pub fn complete<H: Handler>(
         &mut self,
         claims: &[Claim],
@@ -447,6 +452,9 @@ impl Worker {
             if !conn.is_autocommit() {
                 let _ = conn.execute_batch("ROLLBACK");
             }
+            if let Error::CommitRefused { code, source } = e {
+                return self.isolate_refused(claims, handler, code, source, out);
+            }
             // Give the leases back so the messages need not wait for expiry; not when the database is busy
             // (that would wait out the busy timeout again) nor when the commit may have happened (harmless,
             // but pointless).
@@ -454,6 +462,81 @@ impl Worker {
                 let _ = self.release(claims);
             }
             return Err(e);
+        }
+        result
+    }
+
+    /// After a `COMMIT` refused by a deferred constraint, which SQLite checks only then (nothing was
+    /// committed): as in the strong case, each message gets a transaction of its own, and the one whose own
+    /// commit is refused counts a failed attempt (retried after its backoff, dead-lettered at the last), so one
+    /// message cannot stop the worker. An error meanwhile leaves the messages applied before it committed and
+    /// gives back the leases of the rest.
+    fn isolate_refused<H: Handler>(
+        &mut self,
+        claims: &[Claim],
+        handler: &mut H,
+        code: i32,
+        source: rusqlite::Error,
+        out: &mut Vec<Completion>,
+    ) -> Result<usize> {
+        if let [c] = claims {
+            let err = anyhow::Error::new(source).context(format!(
+                "COMMIT refused by a deferred constraint (SQLite code {code})"
+            ));
+            out.push(self.refused(c, err)?);
+            return Ok(1);
+        }
+        log::warn!(
+            "scope {}: COMMIT of up to {} messages refused (SQLite code {code}); applying them one by one",
+            self.scope,
+            claims.len()
+        );
+        let mut one = Vec::with_capacity(1);
+        for (i, c) in claims.iter().enumerate() {
+            if let Err(e) = self.apply_transaction(std::slice::from_ref(c), handler, None, &mut one)
+            {
+                out.clear();
+                if !matches!(e, Error::CommitUnknown { .. } | Error::Busy { .. }) {
+                    let _ = self.release(&claims[i + 1..]);
+                }
+                return Err(e);
+            }
+            out.append(&mut one);
+        }
+        Ok(claims.len())
+    }
+
+    /// One failed attempt for a message whose own `COMMIT` was refused, in a transaction of its own, if this
+    /// worker still holds its lease.
+    fn refused(&mut self, c: &Claim, err: anyhow::Error) -> Result<Completion> {
+        let conn = &self.inbox.conn;
+        begin(conn)?;
+        let result = (|| -> Result<Completion> {
+            let now_ms = unix_now_ms();
+            let now = now_ms.div_euclid(1000);
+            let owned = conn
+                .prepare_cached(
+                    "SELECT 1 FROM messages WHERE seq = ?1 AND lease_owner = ?2 AND claims = ?3 \
+                     AND state IN (0, 2) AND lease_until >= ?4",
+                )?
+                .exists((c.seq, &self.owner, c.token, now_ms))?;
+            let completion = if owned {
+                let completion =
+                    record_failure(conn, &self.scope, &self.config, c, err, now, now_ms)?;
+                let dead = i64::from(matches!(completion, Completion::DeadLettered { .. }));
+                conn.prepare_cached(
+                    "UPDATE scope_stats SET handler_failures = handler_failures + 1, \
+                     dead_lettered = dead_lettered + ?2 WHERE scope_id = ?1",
+                )?
+                .execute((self.scope_id, dead))?;
+                completion
+            } else {
+                Completion::LeaseLost
+            };
+            commit(conn).map(|()| completion)
+        })();
+        if result.is_err() && !conn.is_autocommit() {
+            let _ = conn.execute_batch("ROLLBACK");
         }
         result
     }
@@ -715,49 +798,13 @@ fn apply_claims<H: Handler>(
         conn.rollback_to()?;
         release(conn)?;
         failures += 1;
-        let attempts = c.attempts.saturating_add(1);
-        let mut text = format!("{err:#}");
-        if text.len() > MAX_ERROR_LEN {
-            let mut cut = MAX_ERROR_LEN;
-            while !text.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            text.truncate(cut);
-        }
         // The ownership check above was rolled back with the effect, but the write lock is still held: nothing
         // can have changed the row since.
-        if attempts >= config.max_attempts {
-            conn.prepare_cached(
-                "UPDATE messages SET state = 3, attempts = ?2, last_error = ?3, finished_at = ?4, \
-                 lease_owner = NULL, lease_until = NULL WHERE seq = ?1",
-            )?
-            .execute((c.seq, attempts, &text, now))?;
+        let completion = record_failure(conn, scope, config, c, err, now, now_ms)?;
+        if matches!(completion, Completion::DeadLettered { .. }) {
             dead += 1;
-            log::warn!(
-                "scope {scope}: message {} (seq {}) dead-lettered after {attempts} attempts: {text}",
-                c.message_id,
-                c.seq
-            );
-            out.push(Completion::DeadLettered {
-                error: err,
-                attempts,
-            });
-        } else {
-            let retry_in = config.backoff_after(attempts);
-            let not_before =
-                now_ms.saturating_add(retry_in.as_millis().min(i64::MAX as u128) as i64);
-            conn.prepare_cached(
-                "UPDATE messages SET state = 2, attempts = ?2, last_error = ?3, not_before = ?4, \
-                 lease_owner = NULL, lease_until = NULL WHERE seq = ?1",
-            )?
-            .execute((c.seq, attempts, &text, not_before))?;
-            log::debug!("scope {scope}: message {} failed (attempt {attempts}), retry in {retry_in:?}: {text}", c.message_id);
-            out.push(Completion::Retrying {
-                error: err,
-                attempts,
-                retry_in,
-            });
         }
+        out.push(completion);
     }
     conn.prepare_cached(
         "UPDATE scope_stats SET processed = processed + ?2, handler_failures = handler_failures + ?3, \
@@ -765,4 +812,59 @@ fn apply_claims<H: Handler>(
     )?
     .execute((scope_id, processed, failures, dead, rows))?;
     Ok(applied)
+}
+
+/// Records a failed attempt at claim `c`, inside the caller's transaction, which owns its row: back to
+/// failed with a backoff, or dead-lettered once the attempts reach [`WorkerConfig::max_attempts`]. The
+/// caller counts it in `scope_stats`.
+fn record_failure(
+    conn: &Db,
+    scope: &str,
+    config: &WorkerConfig,
+    c: &Claim,
+    err: anyhow::Error,
+    now: i64,
+    now_ms: i64,
+) -> Result<Completion> {
+    let attempts = c.attempts.saturating_add(1);
+    let mut text = format!("{err:#}");
+    if text.len() > MAX_ERROR_LEN {
+        let mut cut = MAX_ERROR_LEN;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+    }
+    if attempts >= config.max_attempts {
+        conn.prepare_cached(
+            "UPDATE messages SET state = 3, attempts = ?2, last_error = ?3, finished_at = ?4, \
+             lease_owner = NULL, lease_until = NULL WHERE seq = ?1",
+        )?
+        .execute((c.seq, attempts, &text, now))?;
+        log::warn!(
+            "scope {scope}: message {} (seq {}) dead-lettered after {attempts} attempts: {text}",
+            c.message_id,
+            c.seq
+        );
+        return Ok(Completion::DeadLettered {
+            error: err,
+            attempts,
+        });
+    }
+    let retry_in = config.backoff_after(attempts);
+    let not_before = now_ms.saturating_add(retry_in.as_millis().min(i64::MAX as u128) as i64);
+    conn.prepare_cached(
+        "UPDATE messages SET state = 2, attempts = ?2, last_error = ?3, not_before = ?4, \
+         lease_owner = NULL, lease_until = NULL WHERE seq = ?1",
+    )?
+    .execute((c.seq, attempts, &text, not_before))?;
+    log::debug!(
+        "scope {scope}: message {} failed (attempt {attempts}), retry in {retry_in:?}: {text}",
+        c.message_id
+    );
+    Ok(Completion::Retrying {
+        error: err,
+        attempts,
+        retry_in,
+    })
 }

@@ -89,8 +89,8 @@ pub enum Error {
     },
     /// `COMMIT` was refused by a deferred constraint of the application's own tables (a deferred foreign
     /// key, say). Nothing was committed. [`Inbox::process`](crate::Inbox::process) and its batch forms turn
-    /// this into [`Outcome::HandlerFailed`](crate::Outcome::HandlerFailed) for the delivery at fault; other
-    /// callers see it as is.
+    /// this into [`Outcome::HandlerFailed`](crate::Outcome::HandlerFailed) for the delivery at fault, and a
+    /// [`Worker`](crate::Worker) into a failed attempt of the message at fault; other callers see it as is.
     CommitRefused {
         /// SQLite extended result code (`SQLITE_CONSTRAINT*`).
         code: i32,
