@@ -396,15 +396,15 @@
 //!   delivery of an earlier connection: the check and the queueing of each PUBACK are one step against the
 //!   connection change, which purges the PUBACKs not yet written.
 //! - **Storage errors** (and an unknown commit outcome) ack nothing: they are logged with the SQLite code
-//!   and, when [`Error::is_retryable`] (busy, I/O, full disk, unknown commit outcome), the same batch is
-//!   retried with backoff until it commits, the connection ends or a stop is asked. An error that would
-//!   repeat (corruption, a handler that ended the transaction, a statement error) is not retried: the
+//!   and, when [`Error::is_retryable`] (busy, I/O, full disk, read-only, unknown commit outcome), the same
+//!   batch is retried with backoff until it commits, the connection ends or a stop is asked. An error that
+//!   would repeat (corruption, a handler that ended the transaction, a statement error) is not retried: the
 //!   batch's deliveries are committed one at a time, and the one that fails for good is dead-lettered with
 //!   the error as its reason, then acked, so the stream moves on. Nothing is acked without that durable
-//!   record: if even the dead letter cannot be written, it is retried with backoff instead. A retryable
-//!   error that persists is bounded: after [`Consumer::storage_retry_limit`] (default 60 s) of failures on
-//!   one operation, `run` returns that error (nothing of the batch acked; logged at ERROR with its SQLite
-//!   code), so a supervisor sees a failed process and restarts it, and the broker redelivers.
+//!   record: if even the dead letter cannot be written, it is retried with backoff instead. A retryable error
+//!   that persists is bounded: after [`Consumer::storage_retry_limit`] (default 60 s) of failures on one
+//!   operation, `run` returns that error (nothing of the batch acked; logged at ERROR with its SQLite code),
+//!   so a supervisor sees a failed process and restarts it, and the broker redelivers.
 //! - **Handler failures** are retried ([`Consumer::handler_attempts`]), then the delivery is dead-lettered
 //!   ([`Inbox::dead_letter_after`]: body kept with its reason; a redelivery is a duplicate; an operator can
 //!   requeue it) and acked.

@@ -305,7 +305,11 @@ fn read_only_connection_is_an_error_not_a_duplicate() {
         .execute_batch("PRAGMA query_only = ON")
         .unwrap();
     match inbox.process(&d, bump) {
-        Err(Error::ReadOnly { code }) => assert_eq!(code & 0xff, 8),
+        Err(e @ Error::ReadOnly { code }) => {
+            assert_eq!(code & 0xff, 8);
+            // Trouble of the storage, not of the delivery: retried, never dead-lettered.
+            assert!(e.is_retryable(), "{e:?}");
+        }
         other => panic!("expected ReadOnly, got {other:?}"),
     }
     inbox

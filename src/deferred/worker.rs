@@ -605,9 +605,9 @@ impl Worker {
         Ok(drained)
     }
 
-    /// Runs [`Worker::run_once`] until `stop` is set, sleeping [`WorkerConfig::idle_wait`] whenever nothing is
-    /// claimable. Retryable storage errors (busy, I/O, full disk) are logged and retried after a pause; they
-    /// consume no attempts. Any other error ends the loop. Returns the totals.
+    /// Runs [`Worker::run_once`] until `stop` is set, sleeping [`WorkerConfig::idle_wait`] whenever nothing
+    /// is claimable. Retryable storage errors (busy, I/O, full disk, read-only) are logged and retried after
+    /// a pause; they consume no attempts. Any other error ends the loop. Returns the totals.
     pub fn run_until<H: Handler>(&mut self, stop: &AtomicBool, handler: &mut H) -> Result<Drained> {
         let mut total = Drained::default();
         let mut pause = self.config.idle_wait;

@@ -157,9 +157,10 @@ impl Consumer {
     }
 
     /// How long a storage operation that keeps failing with a retryable error (busy, I/O, full disk,
-    /// unknown commit outcome) is retried before [`Consumer::run`] ends with that error, acking nothing of
-    /// the batch: a supervisor sees the failure and restarts the process, and the broker redelivers. The log
-    /// shows every failed attempt with its SQLite code, then the final error. Default 60 s.
+    /// read-only, unknown commit outcome) is retried before [`Consumer::run`] ends with that error, acking
+    /// nothing of the batch: a supervisor sees the failure and restarts the process, and the broker
+    /// redelivers. The log shows every failed attempt with its SQLite code, then the final error. Default 60
+    /// s.
     pub fn storage_retry_limit(mut self, limit: Duration) -> Self {
         self.core = self.core.storage_retry_limit(limit);
         self

@@ -196,9 +196,9 @@ impl ConsumerCore {
     }
 
     /// How long one storage operation is retried while it keeps failing with a
-    /// [retryable](Error::is_retryable) error (busy, I/O, full disk, unknown commit outcome) before
-    /// [`ConsumerCore::settle`] gives up with that error: nothing of the batch is acked, and a run ends with
-    /// it (for a supervisor to see and restart; the broker redelivers). Default 60 s.
+    /// [retryable](Error::is_retryable) error (busy, I/O, full disk, read-only, unknown commit outcome)
+    /// before [`ConsumerCore::settle`] gives up with that error: nothing of the batch is acked, and a run
+    /// ends with it (for a supervisor to see and restart; the broker redelivers). Default 60 s.
     pub fn storage_retry_limit(mut self, limit: Duration) -> Self {
         self.storage_retry_limit = limit;
         self

@@ -161,11 +161,15 @@ pub enum Error {
 }
 
 impl Error {
-    /// True when the same call may succeed later without anyone changing anything (busy, I/O hiccup,
-    /// unknown commit outcome, a full disk that gets space again).
+    /// True when the same call may succeed later without anyone changing anything in it (busy, I/O hiccup,
+    /// unknown commit outcome, a full disk that gets space again, a read-only file system or file made
+    /// writable again): trouble of the storage, not of a delivery, so it is never dead-lettered.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::Busy { .. } | Error::DiskFull | Error::CommitUnknown { .. } => true,
+            Error::Busy { .. }
+            | Error::DiskFull
+            | Error::ReadOnly { .. }
+            | Error::CommitUnknown { .. } => true,
             // I/O trouble may pass; a statement error, corruption or a non-SQLite failure will not.
             Error::Storage { code, .. } => matches!(
                 code & 0xff,
