@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use crate::deferred::backlog::BacklogThreshold;
 use crate::inbox::{Handler, Inbox};
 use crate::mqtt::ack_queue::AckQueue;
+use crate::mqtt::budget::DELIVERY_OVERHEAD;
 use crate::mqtt::extract::{Envelope, ExtractIdentity, Identity, Inbound, UserProperty};
 use crate::mqtt::gate::{Ack, AckGate, ConnectionId};
 use crate::mqtt::health::{Health, HealthEvents, Settled, StatsHandle};
@@ -54,6 +55,10 @@ struct Pending {
     identity: Option<Identity>,
     ticket: u64,
 }
+
+/// How long the commit loop waits at a time for a sync that holds too many committed deliveries (see
+/// [`ConsumerCore::commit_wait`]); the sync thread's wake-up ends it sooner.
+const UNSYNCED_WAIT: Duration = Duration::from_millis(50);
 
 /// What a commit attempt came to.
 enum Tried<T> {
@@ -959,7 +964,8 @@ impl ConsumerCore {
     /// catches up with the WAL, even with a full batch (the commit would only wait for it, holding back the
     /// acks the syncs release meanwhile); otherwise now with a full batch, or timed so that its commit ends
     /// as the sync under way ends (from the measured times of both): the next sync then covers it, and what
-    /// arrives until then joins it.
+    /// arrives until then joins it. Not while the memory budget's worth of committed deliveries (at
+    /// [`DELIVERY_OVERHEAD`] each) waits for a sync, full batch or not.
     pub(crate) fn commit_wait(&self) -> Option<Duration> {
         let p = self.pipeline.as_ref()?;
         // The next commit would wait for the checkpoint thread's catch-up before it begins: meanwhile the
@@ -970,6 +976,13 @@ impl ConsumerCore {
             if let Some(left) = self.inbox.conn.wear.catch_up_left() {
                 return Some(left);
             }
+        }
+        // A sync that does not end (a card stalled in its housekeeping) must not let commits run on without
+        // it: their acks and events wait in memory, and the budget, given back at each commit, would keep the
+        // reader reading. With the budget's worth of deliveries waiting, the next commit waits for the sync
+        // (the sync thread's wake-up ends the wait), so the budget fills and the reader stops.
+        if p.overlapping() && p.len() >= (self.memory_budget / DELIVERY_OVERHEAD).max(1) {
+            return Some(UNSYNCED_WAIT);
         }
         if !p.overlapping() || self.held.len() >= self.batch_size {
             return None;
