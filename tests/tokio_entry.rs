@@ -347,3 +347,69 @@ fn dropping_consumer_run_until_stops_the_run() {
         "the run went on after its future was dropped"
     );
 }
+
+/// An `AsyncFeed::lost` dropped while the event before it is still being handed over (a `select!` that chose
+/// another branch, a timeout) has ended the connection at the gate all the same: no ack of that connection
+/// can be queued for the client to write on the next one.
+#[test]
+fn a_lost_call_dropped_before_it_returns_still_ends_the_connection_at_the_gate() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("lost.db"), Config::default()).unwrap();
+    let released = Arc::new(AtomicBool::new(false));
+    let handler = {
+        let released = released.clone();
+        move |tx: &mut Tx<'_>, d: &Delivery<'_>| {
+            // Bounded: a test that fails still ends.
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !released.load(Ordering::SeqCst) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            count(tx, d)
+        }
+    };
+    let options = rumqttc::v5::MqttOptions::new("never-connected", "127.0.0.1", 1);
+    let (client, _eventloop) = rumqttc::v5::AsyncClient::new(options, 10);
+    let (feed, commits) = ConsumerCore::new(inbox, SCOPE)
+        .memory_budget(4 << 10)
+        .spawn(handler, client, 20)
+        .unwrap();
+
+    let summary = current_thread().block_on(async move {
+        let mut feed = AsyncFeed::new(feed);
+        let connection = feed.connected(false).await.unwrap();
+        assert_eq!(feed.gate().current(), Some(connection));
+        // The handler holds the first delivery: publish until a hand-over waits for room in the budget.
+        let mut waiting = false;
+        for i in 0..100u16 {
+            let inbound = Inbound::new("cmd/a", vec![b'x'; 1024])
+                .with_user_property("message-id", format!("m-{i}"));
+            let publish = feed.publish(inbound, Some(i + 1));
+            if tokio::time::timeout(Duration::from_millis(200), publish)
+                .await
+                .is_err()
+            {
+                waiting = true;
+                break;
+            }
+        }
+        assert!(waiting, "no hand-over waited for room in a budget of 4 KiB");
+        // The connection fails, and the application gives up waiting for `lost`.
+        let lost = tokio::time::timeout(Duration::from_millis(100), feed.lost(|| {})).await;
+        assert!(
+            lost.is_err(),
+            "lost returned while the event before it was still in flight"
+        );
+        assert_eq!(
+            feed.gate().current(),
+            None,
+            "the gate still takes acks of a connection that has ended"
+        );
+        released.store(true, Ordering::SeqCst);
+        feed.lost(|| {}).await.unwrap();
+        drop(feed);
+        let (_core, result) = commits.join_until(std::future::pending()).await;
+        result.unwrap()
+    });
+    assert!(summary.processed > 0, "{summary:?}");
+    assert_eq!(summary.acked, 0, "{summary:?}");
+}

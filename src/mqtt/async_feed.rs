@@ -146,12 +146,14 @@ impl AsyncFeed {
             .map(drop)
     }
 
-    /// [`Feed::lost`]: the connection ended. `purge` runs at once, under the gate's lock, before this
-    /// returns; call it for every error `poll` returns, and await it before polling again.
+    /// [`Feed::lost`]: the connection ended. `purge` runs at once, under the gate's lock, before the first
+    /// await: a call dropped before it returns (in a `select!`) has ended the connection at the gate all
+    /// the same, so no ack of it can be queued for the next one. Call it for every error `poll` returns, and
+    /// await it before polling again.
     pub async fn lost(&mut self, purge: impl FnOnce()) -> std::result::Result<(), FeedClosed> {
-        let _ = self.finish_pending().await;
         self.gate.lost(purge);
-        self.lost_sent().await
+        let gate = self.gate.clone();
+        self.lost_sent(move || gate.lost(|| {})).await
     }
 
     /// [`AsyncFeed::lost`] for rumqttc's MQTT 5 `EventLoop` (what `AsyncClient::new` returns).
@@ -159,9 +161,9 @@ impl AsyncFeed {
         &mut self,
         eventloop: &mut rumqttc::v5::EventLoop,
     ) -> std::result::Result<(), FeedClosed> {
-        let _ = self.finish_pending().await;
         self.gate.lost_v5(eventloop);
-        self.lost_sent().await
+        let gate = self.gate.clone();
+        self.lost_sent(|| gate.lost_v5(eventloop)).await
     }
 
     /// [`AsyncFeed::lost`] for rumqttc's MQTT 3.1.1 `EventLoop`.
@@ -169,13 +171,18 @@ impl AsyncFeed {
         &mut self,
         eventloop: &mut rumqttc::EventLoop,
     ) -> std::result::Result<(), FeedClosed> {
-        let _ = self.finish_pending().await;
         self.gate.lost_v311(eventloop);
-        self.lost_sent().await
+        let gate = self.gate.clone();
+        self.lost_sent(|| gate.lost_v311(eventloop)).await
     }
 
-    /// Tells the commit thread; the gate has ended the connection and purged already.
-    async fn lost_sent(&mut self) -> std::result::Result<(), FeedClosed> {
+    /// After the gate has ended the connection: waits for the event in flight, ends the connection at the
+    /// gate again with `again` (a [`AsyncFeed::connected`] still in flight may have opened it meanwhile;
+    /// nothing of that connection was handed over yet, so nothing of it is lost), and tells the commit
+    /// thread.
+    async fn lost_sent(&mut self, again: impl FnOnce()) -> std::result::Result<(), FeedClosed> {
+        let _ = self.finish_pending().await;
+        again();
         self.hand(|f| f.lost(|| {}).map(|()| None)).await.map(drop)
     }
 
