@@ -230,7 +230,8 @@ impl Inbox {
     /// limit) in the `quarantine` table, with its topic, reason and a bounded record of its payload (the first
     /// [`QUARANTINE_PREFIX`](crate::QUARANTINE_PREFIX) bytes, the full length and an xxh3-128 hash, never the
     /// whole payload), and counts it for `scope`. Once this returns `Ok` the delivery may be acked: it is kept for
-    /// an operator, not lost.
+    /// an operator, not lost. The reason is kept up to 1 KiB and the topic up to the topic limit (4 KiB at
+    /// most): both may quote what a publisher sent.
     ///
     /// The same delivery arriving again (same scope, topic and payload: a redelivery after a lost PUBACK) adds an
     /// arrival to its record instead of a new one: `quarantined` counts arrivals, `quarantine_records` records
@@ -280,23 +281,35 @@ impl Inbox {
     /// content (recorded as a conflict). Another message id on a claimed sequence is quarantined as a
     /// sequence conflict, as in [`Inbox::process`]. Once this returns `Ok` the delivery may be acked.
     pub fn quarantine_delivery(&mut self, d: &Delivery<'_>, reason: &str) -> Result<Option<i64>> {
+        Ok(match self.quarantine_delivery_as(d, reason)? {
+            Quarantined::Kept(id) => Some(id),
+            Quarantined::Duplicate | Quarantined::Conflict => None,
+        })
+    }
+
+    /// [`Inbox::quarantine_delivery`], telling a duplicate from a conflict.
+    pub(crate) fn quarantine_delivery_as(
+        &mut self,
+        d: &Delivery<'_>,
+        reason: &str,
+    ) -> Result<Quarantined> {
         let scope_id = self.scope_id(d.scope)?;
         let now = unix_now();
         begin(&self.conn)?;
-        let result = (|| -> Result<Option<(i64, bool)>> {
+        let result = (|| -> Result<Result<(i64, bool), Quarantined>> {
             self.retention.refresh(&self.conn)?;
             let rules = self.retention.rules(scope_id);
             match claim_sequence(&self.conn, d, scope_id, rules, now)? {
                 Some(Some(Outcome::Duplicate)) => {
                     self.conn.add_counts(scope_id, [0, 1, 0, 0])?;
-                    return Ok(None);
+                    return Ok(Err(Quarantined::Duplicate));
                 }
                 Some(Some(Outcome::Conflict { .. })) => {
                     self.conn.add_counts(scope_id, [0, 0, 1, 0])?;
-                    return Ok(None);
+                    return Ok(Err(Quarantined::Conflict));
                 }
                 Some(Some(Outcome::SequenceConflict { quarantined, .. })) => {
-                    return Ok(Some((quarantined, false)));
+                    return Ok(Ok((quarantined, false)));
                 }
                 _ => {}
             }
@@ -310,15 +323,18 @@ impl Inbox {
                 max_topic: self.config.limits.max_topic_len,
             };
             let (id, new) = records::quarantine(&self.conn, &self.conn.id_key, &record, now)?;
-            Ok(Some((id, new)))
+            Ok(Ok((id, new)))
         })();
         match result {
-            Ok(id) => {
+            Ok(kept) => {
                 commit(&self.conn)?;
-                if let Some((_, new)) = id {
-                    log_quarantine(d.topic, d.scope, reason, new);
-                }
-                Ok(id.map(|(id, _)| id))
+                Ok(match kept {
+                    Ok((id, new)) => {
+                        log_quarantine(d.topic, d.scope, reason, new);
+                        Quarantined::Kept(id)
+                    }
+                    Err(settled) => settled,
+                })
             }
             Err(e) => {
                 if !self.conn.is_autocommit() {
@@ -641,6 +657,17 @@ fn log_quarantine(topic: &str, scope: &str, reason: &str, new: bool) {
             "quarantined delivery on topic {topic:?} for scope {scope} arrived again: {reason}"
         );
     }
+}
+
+/// What [`Inbox::quarantine_delivery_as`] did with a delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Quarantined {
+    /// Kept in quarantine: the record's row id.
+    Kept(i64),
+    /// Its sequence was claimed by this same message, with the same content, before.
+    Duplicate,
+    /// Its sequence was claimed by this same message id with other content: recorded as a conflict.
+    Conflict,
 }
 
 /// How [`claim_identity`] settled a delivery.

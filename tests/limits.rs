@@ -256,3 +256,82 @@ fn an_over_limit_numbered_delivery_claims_its_sequence() {
     assert_eq!(count("SELECT count(*) FROM watermark_exceptions"), 0);
     assert_eq!(count("SELECT count(*) FROM quarantine"), 1);
 }
+
+/// What a publisher sends is quoted in quarantine and conflict records only up to a bound, whatever its size:
+/// a `sent-at` property of a megabyte, and, in a scope with sequence watermarks, a message id far over the
+/// limit that arrives again on its sequence with other content. That second arrival is a conflict and is
+/// counted as one, not as a duplicate.
+#[cfg(feature = "mqtt")]
+#[test]
+fn records_quote_what_a_publisher_sent_only_up_to_a_bound() {
+    use edge_inbox::{ConsumerCore, Envelope, Inbound, RetentionPolicy};
+
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
+    inbox
+        .set_retention(SCOPE, &RetentionPolicy::new().sequence_watermarks(1))
+        .unwrap();
+    // Nobody polls this client: QoS0 deliveries need no ack.
+    let options = rumqttc::v5::MqttOptions::new("never-polled", "127.0.0.1", 1);
+    let (client, _eventloop) = rumqttc::v5::Client::new(options, 10);
+
+    // A send time of a megabyte: the delivery is quarantined, its reason quotes a few characters.
+    let (mut feed, commits) = ConsumerCore::new(inbox, SCOPE)
+        .spawn(effect, client.clone(), 20)
+        .unwrap();
+    feed.connected(false).unwrap();
+    let huge = "\u{1}".repeat(1 << 20);
+    let inbound = Inbound::new("o/1", b"x".to_vec())
+        .with_user_property("message-id", "e-1")
+        .with_user_property("sent-at", huge);
+    feed.publish(inbound, None).unwrap();
+    drop(feed);
+    let (core, summary) = commits.join();
+    assert_eq!(summary.unwrap().quarantined, 1);
+
+    // An envelope whose id is half a megabyte, twice on sequence 5 with two bodies.
+    let (mut feed, commits) = ConsumerCore::new(core.into_inbox(), SCOPE)
+        .extractor(Envelope::default())
+        .spawn(effect, client, 20)
+        .unwrap();
+    feed.connected(false).unwrap();
+    let long_id = "i".repeat(500_000);
+    for body in [b"a", b"b"] {
+        let payload = Envelope::new(&long_id, body.to_vec())
+            .producer("shop-1")
+            .seq(5)
+            .encode();
+        feed.publish(Inbound::new("o/1", payload), None).unwrap();
+    }
+    drop(feed);
+    let (core, summary) = commits.join();
+    let summary = summary.unwrap();
+    assert_eq!(
+        (summary.quarantined, summary.conflicts, summary.duplicates),
+        (1, 1, 0),
+        "{summary:?}"
+    );
+
+    let inbox = core.into_inbox();
+    let longest = |sql: &str| -> i64 {
+        inbox
+            .connection()
+            .query_row(sql, [], |r| r.get::<_, Option<i64>>(0))
+            .unwrap()
+            .unwrap_or(0)
+    };
+    assert_eq!(longest("SELECT count(*) FROM quarantine"), 2);
+    assert_eq!(longest("SELECT count(*) FROM conflicts"), 1);
+    assert!(longest("SELECT max(length(CAST(reason AS BLOB))) FROM quarantine") <= 1024);
+    assert!(longest("SELECT max(length(CAST(topic AS BLOB))) FROM quarantine") <= 4096);
+    assert!(longest("SELECT max(length(CAST(message_id AS BLOB))) FROM conflicts") <= 4096);
+    let file: u64 = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert!(
+        file < 4 << 20,
+        "{file} bytes on disk for three bad deliveries"
+    );
+}

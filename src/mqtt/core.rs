@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::deferred::backlog::BacklogThreshold;
-use crate::inbox::{Handler, Inbox};
+use crate::inbox::{Handler, Inbox, Quarantined};
 use crate::mqtt::ack_queue::AckQueue;
 use crate::mqtt::budget::DELIVERY_OVERHEAD;
 use crate::mqtt::extract::{Envelope, ExtractIdentity, Identity, Inbound, UserProperty};
@@ -20,6 +20,7 @@ pub use crate::mqtt::summary::RunSummary;
 use crate::store::error::{Error, Result};
 use crate::store::identity::Delivery;
 use crate::store::outcome::Outcome;
+use crate::store::records;
 
 /// Asks a running consumer to stop: it finishes the batch in flight (commit, then its PUBACKs, all
 /// written before the DISCONNECT), disconnects and returns from [`Consumer::run`](crate::Consumer::run).
@@ -552,33 +553,32 @@ impl ConsumerCore {
                 },
                 Err(why) => (why, None),
             };
-            let reason = why.to_string();
+            // What the publisher sent is quoted in it: bounded, for the log line and the record.
+            let reason = records::cut(&why.to_string(), records::MAX_REASON).to_owned();
             log::warn!(
                 "bad delivery on topic {:?} ({} bytes): {reason}; quarantining it",
-                p.inbound.topic,
+                records::cut(&p.inbound.topic, records::MAX_RECORD_TEXT),
                 p.inbound.payload.len()
             );
             self.health.ticket = p.ticket;
             let scope = self.scope.clone();
             let inbound = &p.inbound;
             let kept = self.retry("quarantine", |inbox| match &known {
-                Some(id) => inbox.quarantine_delivery(&delivery_of(&scope, inbound, id), &reason),
+                Some(id) => {
+                    inbox.quarantine_delivery_as(&delivery_of(&scope, inbound, id), &reason)
+                }
                 None => inbox
                     .quarantine(&scope, &inbound.topic, &inbound.payload, &reason)
-                    .map(Some),
+                    .map(Quarantined::Kept),
             })?;
-            match kept {
+            let settled = match kept {
                 None => return Ok(false),
-                Some(Some(_)) => self.settled(
-                    known.as_ref().map(|id| id.message_id.as_str()),
-                    Settled::Quarantined,
-                ),
-                // Its sequence was claimed by this very message before: a redelivery.
-                Some(None) => self.settled(
-                    known.as_ref().map(|id| id.message_id.as_str()),
-                    Settled::Duplicate,
-                ),
-            }
+                Some(Quarantined::Kept(_)) => Settled::Quarantined,
+                // Its sequence was claimed by this very message id before: a redelivery, or a conflict.
+                Some(Quarantined::Duplicate) => Settled::Duplicate,
+                Some(Quarantined::Conflict) => Settled::Conflict,
+            };
+            self.settled(known.as_ref().map(|id| id.message_id.as_str()), settled);
             self.queue.settle(p.ticket);
         }
 

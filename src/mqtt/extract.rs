@@ -171,9 +171,24 @@ pub fn parse_sent_at(value: &str) -> Result<i64, String> {
     {
         return v
             .parse::<i64>()
-            .map_err(|_| format!("{value:?} is out of range for Unix seconds"));
+            .map_err(|_| format!("{} is out of range for Unix seconds", shown(value)));
     }
-    rfc3339(v).ok_or_else(|| format!("{value:?} is neither Unix seconds nor an RFC 3339 time"))
+    rfc3339(v).ok_or_else(|| {
+        format!(
+            "{} is neither Unix seconds nor an RFC 3339 time",
+            shown(value)
+        )
+    })
+}
+
+/// A publisher's value quoted in an error: its first characters only, so that a huge property does not
+/// become a huge log line and quarantine reason.
+fn shown(value: &str) -> String {
+    const SHOWN: usize = 64;
+    match value.char_indices().nth(SHOWN) {
+        Some((end, _)) => format!("{:?}... ({} bytes)", &value[..end], value.len()),
+        None => format!("{value:?}"),
+    }
 }
 
 /// `YYYY-MM-DDTHH:MM:SS[.frac](Z|+HH:MM|-HH:MM)`, to Unix seconds.

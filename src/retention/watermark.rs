@@ -219,13 +219,15 @@ fn already_claimed(conn: &Db, c: &Claim<'_>, d: &Delivery<'_>, now: i64) -> Resu
             c.sequence, c.producer, d.message_id
         ),
     };
+    // It quotes the message id, which may be one quarantined for breaking the limits.
+    let reason = records::cut(&reason, records::MAX_REASON);
     let record = records::Quarantine {
         scope_id: c.scope_id,
         identity: Some(&c.id_hash),
         topic: d.topic,
         payload: d.payload,
-        reason: &reason,
-        max_topic: usize::MAX,
+        reason,
+        max_topic: records::MAX_RECORD_TEXT,
     };
     let (quarantined, new) = records::quarantine(conn, &conn.id_key, &record, now)?;
     conn.prepare_cached(
@@ -273,8 +275,8 @@ fn compare(
              committed with {stored}; recorded, not applied",
             d.scope,
             c.sequence,
-            c.producer,
-            d.message_id,
+            records::cut(c.producer, records::MAX_RECORD_TEXT),
+            records::cut(d.message_id, records::MAX_RECORD_TEXT),
             c.fingerprint
         );
     }

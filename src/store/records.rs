@@ -11,6 +11,12 @@ use xxhash_rust::xxh3::{Xxh3, Xxh3Default};
 
 use crate::store::identity::{Fingerprint, IdHash, IdKey};
 
+/// Longest reason a quarantine record keeps, in bytes: reasons quote what a publisher sent.
+pub(crate) const MAX_REASON: usize = 1024;
+/// Longest message id, producer or topic a record keeps, in bytes, whatever the limits (a delivery
+/// quarantined for breaking them carries them whole). The record's key covers the whole values.
+pub(crate) const MAX_RECORD_TEXT: usize = 4096;
+
 /// Bytes of a quarantined payload kept in its record (the rest is described by its length and xxh3-128 hash):
 /// enough to recognise what a sender sent, never enough for a sender to fill the disk.
 pub const QUARANTINE_PREFIX: usize = 256;
@@ -48,11 +54,11 @@ pub(crate) fn quarantine(
             (
                 q.scope_id,
                 &record_key[..],
-                cut(q.topic, q.max_topic),
+                cut(q.topic, q.max_topic.min(MAX_RECORD_TEXT)),
                 prefix,
                 q.payload.len() as i64,
                 &payload_hash(q.payload)[..],
-                q.reason,
+                cut(q.reason, MAX_REASON),
                 now,
             ),
             |r| Ok((r.get(0)?, r.get(1)?)),
@@ -92,9 +98,9 @@ pub(crate) fn conflict(conn: &Connection, c: &Conflict<'_>, now: i64) -> rusqlit
             (
                 c.scope_id,
                 c.id_hash.as_bytes(),
-                c.producer,
-                c.message_id,
-                c.topic,
+                c.producer.map(|p| cut(p, MAX_RECORD_TEXT)),
+                cut(c.message_id, MAX_RECORD_TEXT),
+                cut(c.topic, MAX_RECORD_TEXT),
                 c.stored.to_sql(),
                 c.received.to_sql(),
                 now,
@@ -149,7 +155,7 @@ fn record_key(key: &IdKey, identity: Option<&IdHash>, topic: &str, payload: &[u8
 }
 
 /// `s` cut to at most `max` bytes, at a character boundary.
-fn cut(s: &str, max: usize) -> &str {
+pub(crate) fn cut(s: &str, max: usize) -> &str {
     if s.len() <= max {
         return s;
     }
