@@ -706,16 +706,32 @@ pub(crate) fn claim_identity(
 ) -> Result<Claim> {
     if retention::sent_before_horizon(d, rules) {
         if let Some(claim) = claim_old_sequence(conn, d, scope_id, rules, now)? {
-            return Ok(claim);
+            return numbered_claim_seen_unnumbered(conn, d, scope_id, claim, now);
         }
     } else if let Some(claimed) = claim_sequence(conn, d, scope_id, rules, now)? {
-        return Ok(match claimed {
+        let claim = match claimed {
             None => Claim::Sequence,
             Some(outcome) => Claim::Settled(outcome),
-        });
+        };
+        return numbered_claim_seen_unnumbered(conn, d, scope_id, claim, now);
     }
     let id_hash = d.id_hash(&conn.id_key);
     let fingerprint = d.fingerprint();
+    // In a scope with sequence watermarks the same message may arrive numbered and not (a bridge that drops
+    // the sequence, a replay): its numbered arrivals are remembered in the window, not as identity rows.
+    if rules.watermark_first().is_some() {
+        let numbered: Option<i64> = conn
+            .prepare_cached(
+                "SELECT fingerprint FROM watermark_recent WHERE scope_id = ?1 AND id_hash = ?2",
+            )?
+            .query_row((scope_id, id_hash.as_bytes()), |r| r.get(0))
+            .optional()?;
+        if let Some(stored) = numbered {
+            let stored = Fingerprint::from_sql(stored);
+            return existing_as(conn, d, scope_id, &id_hash, fingerprint, stored, now)
+                .map(Claim::Settled);
+        }
+    }
     let inserted = conn.insert_identity(
         scope_id,
         id_hash.as_bytes(),
@@ -799,6 +815,38 @@ pub(crate) fn commit_day(stored: i64) -> i64 {
     }
 }
 
+/// A numbered delivery whose sequence was just claimed as new, in a scope with sequence watermarks: the same
+/// message may have arrived before without its number, as an identity row. Then it is not new: a duplicate
+/// if the content matches, else a recorded conflict; the claimed sequence keeps the stored content's
+/// fingerprint, so that its next arrival compares against what was committed.
+fn numbered_claim_seen_unnumbered(
+    conn: &Db,
+    d: &Delivery<'_>,
+    scope_id: i64,
+    claim: Claim,
+    now: i64,
+) -> Result<Claim> {
+    if !matches!(claim, Claim::Sequence) {
+        return Ok(claim);
+    }
+    let id_hash = d.id_hash(&conn.id_key);
+    let Some(stored) = conn
+        .stored_fingerprint(scope_id, id_hash.as_bytes())
+        .optional()?
+    else {
+        return Ok(claim);
+    };
+    let stored = Fingerprint::from_sql(stored);
+    let outcome = existing_as(conn, d, scope_id, &id_hash, d.fingerprint(), stored, now)?;
+    if matches!(outcome, Outcome::Conflict { .. }) {
+        conn.prepare_cached(
+            "UPDATE watermark_recent SET fingerprint = ?3 WHERE scope_id = ?1 AND id_hash = ?2",
+        )?
+        .execute((scope_id, id_hash.as_bytes(), stored.to_sql()))?;
+    }
+    Ok(Claim::Settled(outcome))
+}
+
 /// The identity exists: a duplicate if the content matches, else a recorded conflict.
 fn existing(
     conn: &Db,
@@ -809,7 +857,27 @@ fn existing(
     now: i64,
 ) -> Result<Outcome> {
     let stored = conn.stored_fingerprint(scope_id, id_hash.as_bytes())?;
-    let stored = Fingerprint::from_sql(stored);
+    existing_as(
+        conn,
+        d,
+        scope_id,
+        id_hash,
+        received,
+        Fingerprint::from_sql(stored),
+        now,
+    )
+}
+
+/// [`existing`] with the stored content's fingerprint already read.
+fn existing_as(
+    conn: &Db,
+    d: &Delivery<'_>,
+    scope_id: i64,
+    id_hash: &IdHash,
+    received: Fingerprint,
+    stored: Fingerprint,
+    now: i64,
+) -> Result<Outcome> {
     if stored == received {
         return Ok(Outcome::Duplicate);
     }

@@ -237,3 +237,87 @@ fn watermarks_cannot_be_switched_on_a_used_scope() {
         )
         .is_ok());
 }
+
+/// In a scope with sequence watermarks the same message may arrive numbered and, through a bridge or a
+/// replay, without its number: its numbered arrivals are remembered in the window and the others as identity
+/// rows, and each is compared with the other. Either order is one effect, and other content a recorded
+/// conflict, answered as one again at its next arrival.
+#[test]
+fn a_message_numbered_once_and_unnumbered_once_has_one_effect() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    let scope = "numbered-and-not";
+    inbox
+        .set_retention(scope, &RetentionPolicy::new().sequence_watermarks(1))
+        .unwrap();
+    let mut effects = 0;
+    let mut offer = |inbox: &mut Inbox, id: &str, seq: Option<u64>, body: &[u8]| -> Outcome {
+        let mut d = Delivery::new(scope, id, "t/1", body).with_producer("p");
+        if let Some(seq) = seq {
+            d = d.with_sequence(seq);
+        }
+        inbox
+            .process(&d, |_tx: &mut edge_inbox::Tx<'_>, _d: &Delivery<'_>| {
+                effects += 1;
+                Ok(())
+            })
+            .unwrap()
+    };
+    let name = |o: &Outcome| match o {
+        Outcome::Processed => "processed",
+        Outcome::Duplicate => "duplicate",
+        Outcome::Conflict { .. } => "conflict",
+        _ => "other",
+    };
+    let offers: [(&str, Option<u64>, &[u8]); 11] = [
+        // Numbered first, then not; then the other way round.
+        ("e-1", Some(1), b"A"),
+        ("e-1", None, b"A"),
+        ("e-2", None, b"A"),
+        ("e-2", Some(2), b"A"),
+        // Other content, both ways, and each conflict arriving again.
+        ("e-3", Some(3), b"q=1"),
+        ("e-3", None, b"q=2"),
+        ("e-3", None, b"q=2"),
+        ("e-4", None, b"q=1"),
+        ("e-4", Some(4), b"q=2"),
+        ("e-4", Some(4), b"q=2"),
+        // The committed content under a new number is still a duplicate.
+        ("e-4", Some(5), b"q=1"),
+    ];
+    let seen: Vec<Outcome> = offers
+        .iter()
+        .map(|&(id, seq, body)| offer(&mut inbox, id, seq, body))
+        .collect();
+    let names: Vec<&str> = seen.iter().map(name).collect();
+    assert_eq!(
+        names,
+        [
+            "processed",
+            "duplicate",
+            "processed",
+            "duplicate",
+            "processed",
+            "conflict",
+            "conflict",
+            "processed",
+            "conflict",
+            "conflict",
+            "duplicate"
+        ]
+    );
+    assert_eq!(effects, 4, "one effect per message");
+    let stats = inbox.scope_stats(scope).unwrap();
+    assert_eq!(
+        (stats.processed, stats.duplicates, stats.conflicts),
+        (4, 3, 4)
+    );
+    let records: i64 = inbox
+        .connection()
+        .query_row("SELECT count(*) FROM conflicts", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(
+        records, 2,
+        "one record per conflicting content, arrivals counted on it"
+    );
+}

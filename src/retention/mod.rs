@@ -159,7 +159,12 @@ impl RetentionPolicy {
     /// [`SEQUENCE_WINDOW`](crate::SEQUENCE_WINDOW) sequences of each producer: the same message is a duplicate,
     /// the same id with other content a conflict, another id (a restarted counter) or a sequence below the window
     /// an [`Outcome::SequenceConflict`], quarantined. Deliveries without a producer or sequence, or with a
-    /// sequence below `first` (or above `i64::MAX`), use identity rows as usual.
+    /// sequence below `first` (or above `i64::MAX`), use identity rows as usual. The same message arriving
+    /// numbered and not (a bridge that drops the sequence, a replay) is compared across both: with its
+    /// identity row, and with the window's record of its number while that is kept. A message id that comes
+    /// back under a new number once its first number has left the window is not compared any more: a
+    /// producer that republishes under new numbers needs a window that covers how far back it does so, or
+    /// identity rows (no watermarks).
     ///
     /// Can only be chosen (or changed) while the scope has recorded nothing (no identity, message, quarantined
     /// delivery, conflict or counter, and no identity ever pruned); to switch an existing consumer, start a
