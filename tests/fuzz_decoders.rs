@@ -11,7 +11,7 @@ use edge_inbox::{
     Tx, UserProperty,
 };
 use proptest::prelude::*;
-use proptest::test_runner::{Config as PtConfig, TestRunner};
+use proptest::test_runner::{Config as PtConfig, TestCaseError, TestRunner};
 
 fn cases() -> u32 {
     std::env::var("EDGE_INBOX_FUZZ_CASES")
@@ -121,6 +121,136 @@ fn envelope_decoder_survives_mutated_envelopes_and_round_trips_valid_ones() {
             },
         )
         .unwrap();
+}
+
+/// The decoder as it was written first: the whole CBOR value built, then the envelope's fields read from it.
+/// The streaming decoder must agree with it on every input (the same envelope, or the same kind of error).
+fn decode_whole_value(payload: &[u8]) -> Result<Envelope, InvalidDelivery> {
+    use ciborium::Value;
+    let bad = |why: String| InvalidDelivery::MalformedEnvelope(why);
+    let value: Value = ciborium::from_reader(payload).map_err(|e| bad(format!("not CBOR: {e}")))?;
+    let Value::Map(entries) = value else {
+        return Err(bad("not a CBOR map".into()));
+    };
+    let mut env = Envelope::default();
+    let (mut have_id, mut have_body) = (false, false);
+    for (k, v) in entries {
+        let Value::Text(k) = k else { continue };
+        match (k.as_str(), v) {
+            ("id", Value::Text(s)) => (env.id, have_id) = (s, true),
+            ("producer", Value::Text(s)) => env.producer = Some(s),
+            ("seq", Value::Integer(i)) => {
+                env.seq = Some(u64::try_from(i).map_err(|_| bad("seq".into()))?)
+            }
+            ("sent_at", Value::Integer(i)) => {
+                env.sent_at = Some(i64::try_from(i).map_err(|_| bad("sent_at".into()))?)
+            }
+            ("body", Value::Bytes(b)) => (env.body, have_body) = (b, true),
+            ("id" | "producer" | "seq" | "sent_at" | "body", _) => {
+                return Err(bad(format!("field {k:?}")))
+            }
+            _ => {}
+        }
+    }
+    if !have_id {
+        return Err(InvalidDelivery::MissingId);
+    }
+    if !have_body {
+        return Err(bad("no body".into()));
+    }
+    Ok(env)
+}
+
+fn same_decoding(bytes: &[u8]) -> Result<(), TestCaseError> {
+    match (Envelope::decode(bytes), decode_whole_value(bytes)) {
+        (Ok(a), Ok(b)) => prop_assert_eq!(a, b),
+        (Err(InvalidDelivery::MissingId), Err(InvalidDelivery::MissingId)) => {}
+        (
+            Err(InvalidDelivery::MalformedEnvelope(_)),
+            Err(InvalidDelivery::MalformedEnvelope(_)),
+        ) => {}
+        (a, b) => prop_assert!(false, "{bytes:02x?}: streaming {a:?}, whole value {b:?}"),
+    }
+    Ok(())
+}
+
+#[test]
+fn the_streaming_decoder_agrees_with_one_that_builds_the_whole_value() {
+    let mut runner = TestRunner::new(config());
+    runner
+        .run(&proptest::collection::vec(any::<u8>(), 0..512), |bytes| {
+            same_decoding(&bytes)
+        })
+        .unwrap();
+    runner
+        .run(
+            &(envelope(), proptest::collection::vec(mutation(), 0..6)),
+            |(env, mutations)| {
+                let mut bytes = env.encode();
+                for m in &mutations {
+                    apply(&mut bytes, m);
+                }
+                same_decoding(&bytes)
+            },
+        )
+        .unwrap();
+    // Shapes random bytes rarely make: repeated keys, tags, other key types, padding.
+    use ciborium::Value;
+    let text = |s: &str| Value::Text(s.into());
+    let tagged = |v: Value| Value::Tag(7, Box::new(v));
+    let shapes = [
+        vec![
+            (text("id"), text("a")),
+            (text("id"), text("b")),
+            (text("body"), Value::Bytes(vec![1])),
+        ],
+        vec![
+            (text("id"), text("a")),
+            (text("seq"), Value::Integer((-1).into())),
+            (text("seq"), Value::Integer(3.into())),
+            (text("body"), Value::Bytes(vec![])),
+        ],
+        vec![
+            (text("id"), tagged(text("a"))),
+            (text("body"), Value::Bytes(vec![])),
+        ],
+        vec![
+            (tagged(text("id")), text("a")),
+            (text("id"), text("b")),
+            (text("body"), Value::Bytes(vec![])),
+        ],
+        vec![
+            (Value::Array(vec![Value::Null; 3]), Value::Map(vec![])),
+            (text("id"), text("a")),
+            (text("body"), Value::Bytes(vec![])),
+        ],
+        vec![
+            (
+                text("pad"),
+                tagged(Value::Array(vec![Value::Integer(0.into()); 100])),
+            ),
+            (text("id"), text("a")),
+            (text("body"), Value::Bytes(vec![9])),
+        ],
+        vec![
+            (text("id"), text("a")),
+            (text("body"), Value::Bytes(vec![])),
+            (text("sent_at"), Value::Integer((-5).into())),
+            (text("producer"), Value::Null),
+        ],
+    ];
+    for map in shapes {
+        let mut bytes = Vec::new();
+        ciborium::into_writer(&Value::Map(map), &mut bytes).unwrap();
+        same_decoding(&bytes).unwrap();
+        let mut tagged_top = Vec::new();
+        ciborium::into_writer(
+            &tagged(ciborium::from_reader(&bytes[..]).unwrap()),
+            &mut tagged_top,
+        )
+        .unwrap();
+        same_decoding(&tagged_top).unwrap();
+    }
 }
 
 #[test]

@@ -4,6 +4,7 @@
 
 use ciborium::Value;
 
+use crate::mqtt::envelope_cbor::{self, NotAnEnvelope};
 use crate::store::error::InvalidDelivery;
 
 /// One QoS1 publish as received, owned, before its identity is known. Built from rumqttc's publishes with
@@ -386,42 +387,27 @@ impl Envelope {
     /// [`InvalidDelivery::MissingId`].
     pub fn decode(payload: &[u8]) -> Result<Envelope, InvalidDelivery> {
         let bad = |why: String| InvalidDelivery::MalformedEnvelope(why);
-        let value: Value =
-            ciborium::from_reader(payload).map_err(|e| bad(format!("not CBOR: {e}")))?;
-        let Value::Map(entries) = value else {
-            return Err(bad("not a CBOR map".into()));
-        };
-        let mut env = Envelope::default();
-        let (mut have_id, mut have_body) = (false, false);
-        for (k, v) in entries {
-            let Value::Text(k) = k else { continue };
-            match (k.as_str(), v) {
-                ("id", Value::Text(s)) => (env.id, have_id) = (s, true),
-                ("producer", Value::Text(s)) => env.producer = Some(s),
-                ("seq", Value::Integer(i)) => {
-                    env.seq = Some(
-                        u64::try_from(i)
-                            .map_err(|_| bad("seq is not an unsigned 64-bit integer".into()))?,
-                    )
-                }
-                ("sent_at", Value::Integer(i)) => {
-                    env.sent_at =
-                        Some(i64::try_from(i).map_err(|_| bad("sent_at is out of range".into()))?)
-                }
-                ("body", Value::Bytes(b)) => (env.body, have_body) = (b, true),
-                ("id" | "producer" | "seq" | "sent_at" | "body", _) => {
-                    return Err(bad(format!("field {k:?} has the wrong type")))
-                }
-                _ => {}
-            }
+        // Read as a stream: what the envelope does not use is skipped, never built in memory.
+        let f = envelope_cbor::fields(payload).map_err(|e| match e {
+            NotAnEnvelope::Syntax(e) => bad(format!("not CBOR: {e}")),
+            NotAnEnvelope::NotAMap => bad("not a CBOR map".into()),
+        })?;
+        if let Some(why) = f.malformed {
+            return Err(bad(why));
         }
-        if !have_id {
+        let Some(id) = f.id else {
             return Err(InvalidDelivery::MissingId);
-        }
-        if !have_body {
+        };
+        let Some(body) = f.body else {
             return Err(bad("no body".into()));
-        }
-        Ok(env)
+        };
+        Ok(Envelope {
+            id,
+            producer: f.producer,
+            seq: f.seq,
+            sent_at: f.sent_at,
+            body,
+        })
     }
 }
 

@@ -17,6 +17,7 @@ pub(crate) mod consumer;
 pub(crate) mod core;
 #[cfg(feature = "mqtt")]
 pub(crate) mod driver;
+pub(crate) mod envelope_cbor;
 pub(crate) mod extract;
 #[cfg(feature = "mqtt")]
 pub(crate) mod gate;
