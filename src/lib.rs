@@ -701,16 +701,16 @@
 //!   own MQTT 5 connection. It publishes pending rows in commit order with the user properties `message-id`
 //!   and `producer` (what [`UserProperty`] reads on the other side) and `sent-at`, the time the row was
 //!   committed in Unix seconds as a decimal string (the same on every resend; a receiver's identity horizon
-//!   reads it), at most [`RelayConfig::inflight`]
-//!   unconfirmed at a time, and marks a row sent only after the broker's PUBACK for it. A crash, a lost
-//!   connection or a refused publish leaves rows pending; they are sent again, from the oldest, after a
-//!   reconnect with backoff or a restart. Receivers therefore see every message **at least once, always with
-//!   the same id**: an edge-inbox consumer downstream applies each exactly once in effect. QoS0 messages are
-//!   marked when written and may be lost. A row the broker keeps refusing ([`RelayConfig::max_refusals`]),
-//!   or one over the broker's Maximum Packet Size (announced in its CONNACK), is parked instead of holding
-//!   back the rest: kept and counted, sent again after [`Inbox::requeue_parked_outbox`] (a running relay
-//!   picks it up within its poll interval, after the rows that went on meanwhile: first copies arrive in
-//!   commit order except for a refused publish resent after a backoff and such a requeued row).
+//!   reads it), at most [`RelayConfig::inflight`] unconfirmed at a time, and marks a row sent only after the
+//!   broker's PUBACK for it. A crash, a lost connection or a refused publish leaves rows pending; they are
+//!   sent again, from the oldest, after a reconnect with backoff or a restart. Receivers therefore see every
+//!   message **at least once, always with the same id**: an edge-inbox consumer downstream applies each
+//!   exactly once in effect. QoS0 messages are marked when written and may be lost. A row the broker keeps
+//!   refusing ([`RelayConfig::max_refusals`]), or one its CONNACK rules out (over its Maximum Packet Size,
+//!   retained where it takes no retained messages, QoS 1 where it takes QoS 0 only), is parked instead of
+//!   holding back the rest: kept and counted, sent again after [`Inbox::requeue_parked_outbox`] (a running
+//!   relay picks it up within its poll interval, after the rows that went on meanwhile: first copies arrive
+//!   in commit order except for a refused publish resent after a backoff and such a requeued row).
 //! - **Observability and retention.** [`Inbox::outbox_backlog`] gives pending count, oldest pending age and
 //!   sent count; [`Inbox::prune_outbox`] deletes sent rows older than an age (pending rows never).
 //! - Topic, payload and properties ([`OutboxProperties`]: user properties, content type, ..., stored as CBOR;

@@ -181,6 +181,22 @@ fn invalid(why: String) -> Error {
     Error::InvalidArgument(format!("outbox message: {why}"))
 }
 
+/// What in an MQTT string a broker may treat as a malformed packet (MQTT 5, 1.5.4): control characters
+/// (U+0001 to U+001F, U+007F to U+009F) and Unicode non-characters. mosquitto closes the connection on them,
+/// and a relay that sent such a row again at every reconnection would hold back every row behind it.
+fn unsendable(s: &str) -> Option<&'static str> {
+    s.chars().find_map(|c| {
+        let u = u32::from(c);
+        if (0x01..=0x1f).contains(&u) || (0x7f..=0x9f).contains(&u) {
+            Some("a control character")
+        } else if (0xfdd0..=0xfdef).contains(&u) || u & 0xfffe == 0xfffe {
+            Some("a Unicode non-character")
+        } else {
+            None
+        }
+    })
+}
+
 fn validate(
     limits: &Limits,
     producer: &str,
@@ -202,6 +218,11 @@ fn validate(
     if topic.contains(['+', '#', '\0']) {
         return Err(invalid(format!(
             "topic {topic:?} contains a wildcard or NUL; publish topics must be plain names"
+        )));
+    }
+    if let Some(what) = unsendable(topic) {
+        return Err(invalid(format!(
+            "topic {topic:?} contains {what}, which brokers refuse"
         )));
     }
     if payload.len() > limits.max_payload_len {
@@ -255,10 +276,17 @@ fn validate(
                 .as_deref()
                 .map(|v| ("response topic", v)),
         );
+    // The relay sends the message id and the producer as user properties too.
+    let strings = strings.chain([("message id", message_id), ("producer", producer)]);
     for (what, v) in strings {
         if v.len() > usize::from(u16::MAX) || v.contains('\0') {
             return Err(invalid(format!(
                 "{what} is over 65535 bytes or contains NUL, which MQTT cannot carry"
+            )));
+        }
+        if let Some(found) = unsendable(v) {
+            return Err(invalid(format!(
+                "{what} contains {found}, which brokers refuse"
             )));
         }
     }
@@ -604,7 +632,7 @@ impl Inbox {
         })
     }
 
-    /// Parks a pending row the broker cannot take at all (over its Maximum Packet Size), as if refused
+    /// Parks a pending row the broker cannot take at all (its CONNACK rules it out), as if refused
     /// `max_refusals` times.
     pub(crate) fn outbox_park(&mut self, seq: i64) -> Result<()> {
         self.conn

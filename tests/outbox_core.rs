@@ -235,6 +235,25 @@ fn invalid_messages_are_refused_with_clear_errors_and_roll_back() {
             OutboxProperties::new().user_property("message-id", "mine"),
             "reserved",
         ),
+        // Brokers take these as malformed and close the connection.
+        (
+            "st\u{1}ck",
+            vec![],
+            OutboxProperties::new(),
+            "a control character",
+        ),
+        (
+            "stock",
+            vec![],
+            OutboxProperties::new().user_property("note", "a\u{85}b"),
+            "a control character",
+        ),
+        (
+            "stock",
+            vec![],
+            OutboxProperties::new().content_type("text/\u{fffe}"),
+            "a Unicode non-character",
+        ),
     ];
     for (i, (topic, payload, props, expected)) in cases.into_iter().enumerate() {
         let id = format!("evt-{i}");

@@ -1,6 +1,6 @@
 //! The relay's edges against a real mosquitto: the `sent-at` stamp every message carries (the same on a
-//! resend), and a row too large for the broker's Maximum Packet Size, which is parked instead of holding
-//! back the outbox.
+//! resend), and a row too large for the broker's Maximum Packet Size or retained where the broker takes no
+//! retained messages, which is parked instead of holding back the outbox.
 
 mod broker;
 mod common;
@@ -216,8 +216,50 @@ fn a_parked_row_requeued_while_the_relay_is_connected_is_sent_on_that_connection
     );
 }
 
+/// A retained row, where the broker's CONNACK says it takes no retained messages: mosquitto would close the
+/// connection on it at every reconnection, holding back every row behind it. The relay parks it instead.
+fn a_row_the_brokers_connack_rules_out_is_parked_and_the_rest_go_on() {
+    let broker = Broker::start_with_options("retain_available false");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let sub = Subscriber::start(broker.port, "edges-sub-retain", "stock/retain/#");
+    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
+    let ids = ["evt-0", "evt-1", "evt-2"];
+    let deliveries: Vec<Delivery<'_>> = ids
+        .iter()
+        .map(|id| Delivery::new(SCOPE, id, "orders", id.as_bytes()))
+        .collect();
+    inbox
+        .process_batch(&deliveries, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
+            let retained = d.message_id == "evt-1";
+            let props = OutboxProperties::new().retain(retained);
+            tx.publish("stock/retain/x", d.payload, Qos::AtLeastOnce, &props)?;
+            Ok(())
+        })
+        .unwrap();
+
+    let relay = relay(&db, broker.port, "edges-relay-retain");
+    let done = common::wait_for(Duration::from_secs(30), || {
+        let b = inbox.outbox_backlog().unwrap();
+        (b.parked == 1 && b.pending == 0 && b.sent == 2 && sub.count() >= 2).then_some(b)
+    });
+    let stats = relay.stop();
+    assert!(done.is_some(), "{:?} {stats:?}", inbox.outbox_backlog());
+    let payloads: Vec<Vec<u8>> = sub.got().into_iter().map(|g| g.payload).collect();
+    assert_eq!(payloads, [b"evt-0".to_vec(), b"evt-2".to_vec()]);
+    assert_eq!(
+        stats.connection_failures, 0,
+        "the retained row never reached the wire: {stats:?}"
+    );
+}
+
 fn main() {
     broker::run_tests(&[
+        (
+            "a_row_the_brokers_connack_rules_out_is_parked_and_the_rest_go_on",
+            a_row_the_brokers_connack_rules_out_is_parked_and_the_rest_go_on,
+            Needs::Mosquitto,
+        ),
         (
             "every_message_carries_its_commit_time_as_sent_at_also_when_resent",
             every_message_carries_its_commit_time_as_sent_at_also_when_resent,

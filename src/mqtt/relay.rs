@@ -126,10 +126,11 @@ pub struct RelayStats {
 ///   row parked and then requeued ([`Inbox::requeue_parked_outbox`]) goes out after the rows that went on
 ///   while it was parked (the relay looks for rows requeued behind it once per
 ///   [`RelayConfig::poll_interval`], without reconnecting). Only these two cases reorder.
-/// - **Parked, not stuck.** A row the broker refused [`RelayConfig::max_refusals`] times, or one larger than
-///   the Maximum Packet Size the broker announced in its CONNACK (it could never be sent), is parked: kept,
-///   counted in [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding back the rows after it,
-///   until [`Inbox::requeue_parked_outbox`].
+/// - **Parked, not stuck.** A row the broker refused [`RelayConfig::max_refusals`] times, or one its CONNACK
+///   rules out (larger than its Maximum Packet Size, retained where Retain Available is false, QoS 1 where
+///   its Maximum QoS is 0: it could never be sent, and the broker would close the connection on it), is
+///   parked: kept, counted in [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding back the
+///   rows after it, until [`Inbox::requeue_parked_outbox`].
 /// - **Bounded.** At most [`RelayConfig::inflight`] messages are unconfirmed at a time; while the broker is
 ///   away rows wait in the database and the relay retries with backoff.
 /// - **Threads.** The relay thread owns its [`Inbox`] (open a second one on the same file: reading the
@@ -235,10 +236,30 @@ impl Drop for Relay {
     }
 }
 
+/// What the broker's CONNACK allows a publish to be.
+#[derive(Debug, Clone, Copy)]
+struct Allowed {
+    /// Maximum Packet Size, if it set one.
+    max_packet: Option<u32>,
+    /// Retain Available (absent: yes).
+    retain: bool,
+    /// Maximum QoS (absent: 2).
+    max_qos: u8,
+}
+
+impl Allowed {
+    /// Before any CONNACK: nothing known, nothing refused.
+    const ANY: Allowed = Allowed {
+        max_packet: None,
+        retain: true,
+        max_qos: 2,
+    };
+}
+
 /// What a connection's poll thread tells the relay thread.
 enum RelayEvent {
-    /// CONNACK, with the broker's Maximum Packet Size if it set one.
-    Connected(Option<u32>),
+    /// CONNACK, with what the broker allows.
+    Connected(Allowed),
     /// rumqttc wrote the next queued publish, with this packet id (0 for QoS0).
     Published(u16),
     PubAck {
@@ -299,7 +320,12 @@ fn poll(mut conn: rumqttc::v5::Connection, tx: Sender<RelayEvent>, stop: Arc<Ato
     loop {
         let event = match conn.recv_timeout(Duration::from_millis(100)) {
             Ok(Ok(E::Incoming(Packet::ConnAck(ack)))) => {
-                RelayEvent::Connected(ack.properties.and_then(|p| p.max_packet_size))
+                let p = ack.properties.as_ref();
+                RelayEvent::Connected(Allowed {
+                    max_packet: p.and_then(|p| p.max_packet_size),
+                    retain: p.and_then(|p| p.retain_available) != Some(0),
+                    max_qos: p.and_then(|p| p.max_qos).unwrap_or(2),
+                })
             }
             Ok(Ok(E::Outgoing(Outgoing::Publish(pkid)))) => RelayEvent::Published(pkid),
             Ok(Ok(E::Incoming(Packet::PubAck(ack)))) => RelayEvent::PubAck {
@@ -451,8 +477,8 @@ impl RelayLoop {
     fn connection(&mut self, link: &Link, flight: &mut Flight) -> Ended {
         let window = usize::from(self.config.inflight);
         let mut connected = false;
-        // The broker's Maximum Packet Size (CONNACK), if it set one.
-        let mut max_packet = None;
+        // What the broker's CONNACK allows.
+        let mut allowed = Allowed::ANY;
         let mut drain_until: Option<Instant> = None;
         loop {
             if self.stop.is_stopped() {
@@ -464,7 +490,7 @@ impl RelayLoop {
                     return Ended::Stopped;
                 }
             } else if connected && flight.outstanding() < window {
-                if let Err(e) = self.fill(link, flight, window, max_packet) {
+                if let Err(e) = self.fill(link, flight, window, allowed) {
                     return e;
                 }
             }
@@ -479,9 +505,9 @@ impl RelayLoop {
             };
             while let Some(event) = next.take() {
                 match event {
-                    RelayEvent::Connected(max) => {
+                    RelayEvent::Connected(a) => {
                         connected = true;
-                        max_packet = max;
+                        allowed = a;
                         self.bump(|s| s.connections += 1);
                         log::info!("outbox relay connected");
                     }
@@ -547,7 +573,7 @@ impl RelayLoop {
         link: &Link,
         flight: &mut Flight,
         window: usize,
-        max_packet: Option<u32>,
+        allowed: Allowed,
     ) -> Result<(), Ended> {
         let room = window - flight.outstanding();
         let rows = match self.behind(flight, room).and_then(|mut rows| {
@@ -588,26 +614,38 @@ impl RelayLoop {
                 Qos::AtMostOnce => Q5::AtMostOnce,
                 Qos::AtLeastOnce => Q5::AtLeastOnce,
             };
-            if let Some(max) = max_packet {
-                let size = packet_size(&row.topic, qos, &row.payload, &props);
-                if size > max as usize {
-                    match self.inbox.outbox_park(row.seq) {
-                        Ok(()) => {
-                            self.bump(|s| s.refused += 1);
-                            log::error!(
-                                "outbox message seq {} is {size} bytes on the wire, over the broker's maximum                                  packet size of {max}: parked for an operator (Inbox::requeue_parked_outbox);                                  the messages after it go on",
-                                row.seq
-                            );
-                            flight.cursor = flight.cursor.max(row.seq);
-                            continue;
-                        }
-                        Err(e) => {
-                            self.bump(|s| s.storage_errors += 1);
-                            log::warn!(
-                                "outbox relay cannot park an oversized message: {e}; retrying"
-                            );
-                            return Ok(());
-                        }
+            // A publish the broker's CONNACK rules out would be answered by closing the connection, and
+            // the relay would send it again at every reconnection, holding back every row behind it: it is
+            // parked instead, for an operator.
+            let size = packet_size(&row.topic, qos, &row.payload, &props);
+            let refused = if allowed.max_packet.is_some_and(|max| size > max as usize) {
+                Some(format!(
+                    "is {size} bytes on the wire, over the broker's maximum packet size of {}",
+                    allowed.max_packet.unwrap_or(0)
+                ))
+            } else if row.properties.retain && !allowed.retain {
+                Some("is retained, and the broker does not take retained messages".to_owned())
+            } else if qos == Q5::AtLeastOnce && allowed.max_qos == 0 {
+                Some("is QoS 1, and the broker takes QoS 0 only".to_owned())
+            } else {
+                None
+            };
+            if let Some(why) = refused {
+                match self.inbox.outbox_park(row.seq) {
+                    Ok(()) => {
+                        self.bump(|s| s.refused += 1);
+                        log::error!(
+                            "outbox message seq {} {why}: parked for an operator \
+                             (Inbox::requeue_parked_outbox); the messages after it go on",
+                            row.seq
+                        );
+                        flight.cursor = flight.cursor.max(row.seq);
+                        continue;
+                    }
+                    Err(e) => {
+                        self.bump(|s| s.storage_errors += 1);
+                        log::warn!("outbox relay cannot park a refused message: {e}; retrying");
+                        return Ok(());
                     }
                 }
             }
