@@ -569,7 +569,11 @@ pub(crate) fn run_handler<H: Handler>(
     let armed = conn.arm_handler_guard();
     let result = handler(&mut tx, d);
     drop(armed);
-    if conn.handler_replaced_guard() {
+    let replaced = conn.handler_replaced_guard();
+    if replaced || conn.handler_tx_ended() {
+        conn.distrust_settings();
+    }
+    if replaced {
         log::error!(
             "the handler for {}/{} replaced the connection's commit or rollback hook, which the inbox reserves: \
              failing the call (what the handler committed on its own, if anything, cannot be undone)",

@@ -153,7 +153,14 @@
 //! check comes after the statement has already committed. Once the transaction is gone every further call
 //! through [`Tx`] fails at once, and the call (process, batch, worker) fails with
 //! [`Error::HandlerEndedTransaction`]: nothing committed, nothing to ack. The same holds for [`Tx::publish`]
-//! and the deferred [`Worker`].
+//! and the deferred [`Worker`]. Outside the transaction, `PRAGMA synchronous` and `PRAGMA journal_mode` would
+//! take effect for every later commit; after such a call the next transaction sets both again and reads them
+//! back before it begins.
+//!
+//! **Only the inbox's own database is atomic with the identity.** A handler may `ATTACH` another file
+//! through [`Tx::sql`], but in WAL mode SQLite commits a transaction across attached databases atomically
+//! for each file, not as a whole: a power cut between the two can keep the identity without the effect in
+//! the other file, and the redelivery is then a duplicate. Keep what must not be lost in the inbox's file.
 //!
 //! **The connection's commit and rollback hooks are reserved for this guard.** rusqlite lets anyone holding
 //! the [`Connection`](rusqlite::Connection) ([`Inbox::connection`], [`Tx::sql`]) replace them, so the inbox

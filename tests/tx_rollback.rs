@@ -188,3 +188,55 @@ fn worker_commits_nothing_after_sqlite_rolled_back() {
     }
     assert!(wrong.is_empty(), "{wrong:#?}");
 }
+
+/// Outside its transaction (after a `ROLLBACK` of its own) a handler's `PRAGMA synchronous` and
+/// `PRAGMA journal_mode` take effect: lowered there, they would weaken every later commit. The call fails,
+/// and the next transaction puts both back and reads them back before it begins.
+#[test]
+fn settings_a_handler_changes_outside_its_transaction_are_put_back() {
+    let dir = tempfile::tempdir().unwrap();
+    // No checkpoint thread: its connection would keep the journal mode from being changed at all.
+    let config = Config::default().checkpoint_thread(false);
+    let mut inbox = Inbox::open(dir.path().join("inbox.db"), config).unwrap();
+    let read = |inbox: &Inbox, pragma: &str| -> String {
+        inbox
+            .connection()
+            .query_row(&format!("PRAGMA {pragma}"), [], |r| {
+                r.get::<_, rusqlite::types::Value>(0)
+            })
+            .map(|v| match v {
+                rusqlite::types::Value::Integer(i) => i.to_string(),
+                rusqlite::types::Value::Text(t) => t,
+                other => format!("{other:?}"),
+            })
+            .unwrap()
+    };
+    assert_eq!(read(&inbox, "synchronous"), "2");
+    for (i, pragmas) in [
+        "ROLLBACK; PRAGMA synchronous = OFF",
+        "ROLLBACK; PRAGMA journal_mode = DELETE",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("bad-{i}");
+        let d = Delivery::new("settings", &id, "t", b"x");
+        let err = inbox
+            .process(&d, |tx: &mut Tx<'_>, _d: &Delivery<'_>| {
+                tx.sql().execute_batch(pragmas)?;
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(matches!(err, Error::HandlerEndedTransaction), "{err:?}");
+        let id = format!("good-{i}");
+        let d = Delivery::new("settings", &id, "t", b"x");
+        inbox
+            .process(&d, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
+                tx.put(d.message_id, &1)?;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(read(&inbox, "synchronous"), "2", "after {pragmas}");
+        assert_eq!(read(&inbox, "journal_mode"), "wal", "after {pragmas}");
+    }
+}

@@ -45,9 +45,12 @@ pub(crate) struct Db {
     conn: NonNull<Connection>,
     /// The configured `synchronous` level (2 FULL, 1 NORMAL).
     durable: i64,
-    /// The level the connection is at now.
+    /// The level the connection is at now; [`UNKNOWN_LEVEL`] when it must be set and read back again.
     current: Cell<i64>,
     relaxed: Cell<bool>,
+    /// A handler got outside its transaction, where it could change the connection's settings: the next
+    /// transaction checks the journal mode again (see [`Db::recheck_settings`]).
+    settings_suspect: Cell<bool>,
     /// What outbox writes on this connection need from the inbox configuration.
     pub(crate) outbox: crate::store::config::OutboxSettings,
     /// The database file and its WAL as this connection opened them, to notice when either is deleted or
@@ -296,6 +299,9 @@ impl Deref for Db {
     }
 }
 
+/// A `synchronous` level no connection is at: the next transaction sets the level it needs and reads it back.
+const UNKNOWN_LEVEL: i64 = -1;
+
 impl Db {
     /// Takes an opened connection with the current schema, at `synchronous` level `durable`, and prepares
     /// the hot statements on it.
@@ -325,6 +331,7 @@ impl Db {
                 durable,
                 current: Cell::new(durable),
                 relaxed: Cell::new(false),
+                settings_suspect: Cell::new(false),
                 outbox: Default::default(),
                 wal_id: Cell::new(files.as_ref().and_then(|f| f.wal_id)),
                 files,
@@ -450,6 +457,37 @@ impl Db {
     /// or committed by the handler), even if a new one was opened since.
     pub(crate) fn handler_tx_ended(&self) -> bool {
         self.guard.ended.load(Ordering::SeqCst) || self.is_autocommit()
+    }
+
+    /// A handler got outside the inbox's transaction: out of one, `PRAGMA synchronous` and
+    /// `PRAGMA journal_mode` take effect, and a handler could have lowered either for every later commit.
+    /// The next transaction sets and reads back both before it begins.
+    pub(crate) fn distrust_settings(&self) {
+        self.settings_suspect.set(true);
+        self.current.set(UNKNOWN_LEVEL);
+    }
+
+    /// After [`Db::distrust_settings`]: the journal back in WAL mode, read back (the `synchronous` level is set
+    /// again by [`Db::prepare_level`]). Called outside any transaction.
+    pub(crate) fn recheck_settings(&self) -> Result<()> {
+        if !self.settings_suspect.get() {
+            return Ok(());
+        }
+        let mode: String = self.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            log::error!(
+                "the connection's journal mode was changed to {mode} by a handler; back to WAL"
+            );
+            let mode: String = self.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
+            if !mode.eq_ignore_ascii_case("wal") {
+                return Err(Error::Setting {
+                    wanted: "journal_mode=wal".into(),
+                    got: mode,
+                });
+            }
+        }
+        self.settings_suspect.set(false);
+        Ok(())
     }
 
     /// `BEGIN IMMEDIATE`, once the checkpoint thread's catch-up a commit of this connection asked for has

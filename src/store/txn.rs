@@ -26,6 +26,7 @@ pub(crate) fn begin(conn: &Db) -> Result<()> {
     if let Some(gone) = conn.gone() {
         return Err(gone);
     }
+    conn.recheck_settings()?;
     conn.prepare_level()?;
     conn.begin_immediate()?;
     if let Err(e) = conn.recover_unsynced_wal() {
