@@ -600,6 +600,16 @@ fn open_reports_clear_errors() {
         Err(Error::NotADatabase { path }) => assert_eq!(path, junk),
         other => panic!("expected NotADatabase, got {other:?}"),
     }
+    // An SQLite file no version wrote (another application's, with a negative schema version).
+    let foreign = dir.path().join("foreign.db");
+    Connection::open(&foreign)
+        .unwrap()
+        .execute_batch("PRAGMA user_version = -1")
+        .unwrap();
+    match Inbox::open(&foreign, Config::default()) {
+        Err(Error::NotADatabase { path }) => assert_eq!(path, foreign),
+        other => panic!("expected NotADatabase, got {other:?}"),
+    }
     // Written by a newer version.
     let newer = dir.path().join("newer.db");
     Connection::open(&newer)

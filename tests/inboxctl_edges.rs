@@ -245,3 +245,24 @@ fn check_names_each_breach_of_the_inbox_invariants() {
         );
     }
 }
+
+/// An odd value in a file (a message received, by a clock gone wrong, at the earliest time SQLite can store)
+/// gives a report, not a panic.
+#[test]
+fn odd_values_in_a_file_give_reports_or_errors_not_panics() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let mut inbox = edge_inbox::Inbox::open(&db, edge_inbox::Config::default()).unwrap();
+    let d = edge_inbox::Delivery::new("odd", "m-1", "t", b"x");
+    inbox.receive(&d).unwrap();
+    inbox
+        .connection()
+        .execute_batch(&format!("UPDATE messages SET received_at = {}", i64::MIN))
+        .unwrap();
+    drop(inbox);
+    let conn =
+        Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let reports = edge_inbox::inspect::stats(&conn, Some("odd")).unwrap();
+    assert_eq!(reports[0].pending, 1);
+    assert!(reports[0].oldest_pending_age_secs.unwrap() > 0);
+}

@@ -479,7 +479,7 @@ pub fn stats(conn: &Connection, scope: Option<&str>) -> Result<Vec<ScopeReport>>
             rep.pending = u(pending);
             rep.failed = u(failed);
             rep.in_flight = u(in_flight);
-            rep.oldest_pending_age_secs = oldest.map(|at| u(now - at));
+            rep.oldest_pending_age_secs = oldest.map(|at| u(now.saturating_sub(at)));
             rep.dead_letters =
                 count("SELECT count(*) FROM messages WHERE scope_id = ?1 AND state = 3")?;
             rep.identities_retained = count("SELECT count(*) FROM identities WHERE scope_id = ?1")?;

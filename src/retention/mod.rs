@@ -297,7 +297,7 @@ impl ClockVerdict {
             ClockVerdict::TooFarAhead { seen } => Some(format!(
                 "the clock reads {now} (Unix seconds), {} days after the latest time retention accepted ({seen}): \
                  retention prunes nothing until the time is confirmed (Pruning::trust_clock)",
-                (now - seen).div_euclid(DAY)
+                now.saturating_sub(seen).div_euclid(DAY)
             )),
         }
     }

@@ -334,7 +334,9 @@ impl Inbox {
             let after: &[u8] = if scope_id == cursor { &after } else { &[] };
             let floor_day = clock_floor(conn)?.div_euclid(DAY);
             // Whole days only, rounded so that every deleted identity is older than the horizon.
-            let cutoff_day = (now - horizon.as_secs() as i64).div_euclid(DAY);
+            let cutoff_day = now
+                .saturating_sub(i64::try_from(horizon.as_secs()).unwrap_or(i64::MAX))
+                .div_euclid(DAY);
             let upper: Option<Vec<u8>> = conn
                 .prepare_cached(
                     "SELECT max(id_hash) FROM (SELECT id_hash FROM identities WHERE scope_id = ?1 AND id_hash > ?2 \

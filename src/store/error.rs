@@ -104,7 +104,8 @@ pub enum Error {
         /// The underlying error.
         source: rusqlite::Error,
     },
-    /// The file at this path is not an SQLite database (or is encrypted, or corrupt in its header).
+    /// The file at this path is not an SQLite database (or is encrypted, or corrupt in its header), or is one
+    /// no edge-inbox wrote (a negative schema version: another application's file).
     NotADatabase {
         /// The path that was opened.
         path: PathBuf,
@@ -221,7 +222,7 @@ impl fmt::Display for Error {
                 write!(f, "storage error (SQLite code {code}): {source}")
             }
             Error::NotADatabase { path } => {
-                write!(f, "{} is not an SQLite database", path.display())
+                write!(f, "{} is not an SQLite database of edge-inbox", path.display())
             }
             Error::SchemaTooNew { found, supported } => write!(
                 f,

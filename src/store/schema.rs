@@ -395,6 +395,12 @@ fn known_version(conn: &Connection, path: &Path) -> Result<i64> {
             supported: SCHEMA_VERSION,
         });
     }
+    // No version of the inbox writes a negative one: another application's file.
+    if version < 0 {
+        return Err(Error::NotADatabase {
+            path: path.to_path_buf(),
+        });
+    }
     Ok(version)
 }
 
