@@ -545,6 +545,19 @@ fn apply_one<H: Handler>(
     }
 }
 
+/// Rolls the inbox's transaction back when a handler panics through it: an application that catches the panic
+/// must not find the half-written transaction open (a read through the same inbox would see it, and it would
+/// hold the write lock from every other connection until the inbox's next call).
+struct RollBackIfUnwinding<'a>(&'a Db);
+
+impl Drop for RollBackIfUnwinding<'_> {
+    fn drop(&mut self) {
+        if !self.0.is_autocommit() {
+            let _ = self.0.execute_batch("ROLLBACK");
+        }
+    }
+}
+
 /// Runs `handler` on `d` inside the open savepoint and sorts what it returned. Storage trouble of the inbox's own
 /// connection fails the whole transaction (`Err`): met through the inbox's API (even if the handler swallowed
 /// the error), returned by the handler after it met it on the connection through [`Tx::sql`] (see
@@ -567,7 +580,9 @@ pub(crate) fn run_handler<H: Handler>(
         Tx::new(conn, d.scope, scope_id, now, buf, failure).with_origin(d.producer, d.message_id);
     // Refuses any commit while the handler runs (see the crate guide, "Handlers and state").
     let armed = conn.arm_handler_guard();
+    let unwinding = RollBackIfUnwinding(conn);
     let result = handler(&mut tx, d);
+    std::mem::forget(unwinding);
     drop(armed);
     let replaced = conn.handler_replaced_guard();
     if replaced || conn.handler_tx_ended() {

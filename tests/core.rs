@@ -733,7 +733,24 @@ fn a_panicking_handler_leaves_no_transaction_open() {
         );
     }));
     assert!(caught.is_err());
-    // The same inbox goes on (its next call rolls the leftover back), and nothing of the panicked call stays.
+    // Nothing of the panicked call is visible through the same inbox, and the write lock is free at once.
+    assert!(matches!(
+        inbox.status(SCOPE, None, "boom").unwrap(),
+        edge_inbox::Status::NotFound
+    ));
+    assert_eq!(counter(&inbox, "A-1"), 0);
+    let at_once = Inbox::open(
+        &path,
+        Config::default().busy_timeout(Duration::from_millis(200)),
+    );
+    assert!(matches!(
+        at_once
+            .unwrap()
+            .process(&Delivery::new(SCOPE, "first", "t", b"A-0"), bump)
+            .unwrap(),
+        Outcome::Processed
+    ));
+    // The same inbox goes on, and nothing of the panicked call stays.
     assert!(matches!(
         inbox.process(&d, bump).unwrap(),
         Outcome::Processed
