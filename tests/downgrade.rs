@@ -241,6 +241,18 @@ fn inboxctl_downgrade_takes_a_hashed_file_back_and_refuses_a_counter_file() {
     assert_eq!(doc["from"], 5);
     assert_eq!(doc["to"], 5);
 
+    // The file stays where it was taken back to: commands that write refuse it instead of migrating it
+    // forward, which would lock out the build rolled back to.
+    for args in [&["requeue", "--scope", "s"][..], &["prune", "--apply"][..]] {
+        let out = cli_support::inboxctl(&hashed, args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("schema version 5"), "{args:?}: {err}");
+        assert_eq!(user_version(&hashed), 5, "{args:?}");
+    }
+    // Read-only commands still work on it.
+    cli_support::ok(&hashed, &["stats"]);
+
     let counter = dir.path().join("counter.db");
     populate(&counter, IdOrder::Counter);
     let out = cli_support::inboxctl(&counter, &["downgrade", "--to", "5"]);

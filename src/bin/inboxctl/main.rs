@@ -3,7 +3,8 @@
 //! Exit codes: 0 success; 1 operational error (the file cannot be opened or read, a check found problems, a
 //! requested row does not exist, the database stayed busy); 2 usage error (bad arguments, from clap).
 //!
-//! Read-only commands open the file read-only; only `requeue` and `prune --apply` write.
+//! Read-only commands open the file read-only; only `requeue`, `prune --apply` and `downgrade` write, and the
+//! first two refuse a file of an older schema version instead of migrating it.
 
 mod output;
 mod prometheus;
@@ -229,11 +230,24 @@ fn read_only(path: &Path) -> anyhow::Result<Connection> {
     open_read_only(path).map_err(|e| opening(path, e))
 }
 
-/// Opens for writing, refusing to create a file that is not there (a typo must not make an empty inbox).
+/// Opens for writing, refusing to create a file that is not there (a typo must not make an empty inbox), and
+/// refusing a file of an older schema: opening it for writing would migrate it, and the build that wrote it
+/// (one rolled back to, after `inboxctl downgrade`) could no longer open it.
 fn writable(path: &Path) -> anyhow::Result<Inbox> {
     // Refuses a missing file, or one that is not an inbox, before the writable open would create it or
     // install the schema in it.
-    drop(read_only(path)?);
+    let conn = read_only(path)?;
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    drop(conn);
+    if version < edge_inbox::SCHEMA_VERSION {
+        bail!(
+            "{} is at schema version {version}, older than this inboxctl's {}: writing to it would migrate \
+             it, and the build that wrote it could then not open it. Use that build's inboxctl, or let a \
+             consumer of this build open the file first",
+            path.display(),
+            edge_inbox::SCHEMA_VERSION
+        );
+    }
     Inbox::open(path, Config::default()).map_err(|e| opening(path, e))
 }
 
