@@ -858,12 +858,27 @@ fn numbered_claim_seen_unnumbered(
     let stored = Fingerprint::from_sql(stored);
     let outcome = existing_as(conn, d, scope_id, &id_hash, d.fingerprint(), stored, now)?;
     if matches!(outcome, Outcome::Conflict { .. }) {
-        conn.prepare_cached(
-            "UPDATE watermark_recent SET fingerprint = ?3 WHERE scope_id = ?1 AND id_hash = ?2",
-        )?
-        .execute((scope_id, id_hash.as_bytes(), stored.to_sql()))?;
+        keep_stored_fingerprint(conn, scope_id, &id_hash, stored)?;
     }
     Ok(Claim::Settled(outcome))
+}
+
+/// After a conflict found across two records of one identity: the record the delivery's claim just added
+/// (an identity row, or its sequence in the watermark window) takes the fingerprint of what was committed,
+/// so that the next arrival of either content compares against that.
+pub(crate) fn keep_stored_fingerprint(
+    conn: &Db,
+    scope_id: i64,
+    id_hash: &IdHash,
+    stored: Fingerprint,
+) -> Result<()> {
+    for table in ["identities", "watermark_recent"] {
+        conn.prepare_cached(&format!(
+            "UPDATE {table} SET fingerprint = ?3 WHERE scope_id = ?1 AND id_hash = ?2"
+        ))?
+        .execute((scope_id, id_hash.as_bytes(), stored.to_sql()))?;
+    }
+    Ok(())
 }
 
 /// The identity exists: a duplicate if the content matches, else a recorded conflict.
@@ -888,7 +903,7 @@ fn existing(
 }
 
 /// [`existing`] with the stored content's fingerprint already read.
-fn existing_as(
+pub(crate) fn existing_as(
     conn: &Db,
     d: &Delivery<'_>,
     scope_id: i64,

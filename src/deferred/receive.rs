@@ -1,12 +1,11 @@
 //! Received-then-deferred mode, receive side: store the delivery as a pending message and commit, so it may be
 //! acked before its effect is applied. Workers ([`crate::Worker`]) apply it later.
 
-use crate::inbox::{claim_identity, Claim, Inbox};
+use crate::inbox::{claim_identity, existing_as, keep_stored_fingerprint, Claim, Inbox};
 use crate::store::db::Db;
 use crate::store::error::{is_unique_violation, Error, InvalidDelivery, Result};
 use crate::store::identity::{Delivery, Fingerprint, IdHash};
 use crate::store::outcome::Outcome;
-use crate::store::records;
 use crate::store::txn::{begin, commit, unix_now};
 
 /// Duplicate and conflict counts of one receive transaction, per scope.
@@ -236,43 +235,9 @@ pub(crate) fn open_body_clash(
         )?
         .query_row((scope_id, id_hash.as_bytes()), |r| Ok((r.get(0)?, r.get(1)?)))?;
     let stored = Fingerprint::of(&topic, payload.as_deref().unwrap_or_default());
-    let received = d.fingerprint();
-    if stored == received {
-        log::warn!(
-            "scope {}: message {:?} arrived again while its open or dead-lettered body has no identity of its \
-             own; a duplicate, not stored again",
-            d.scope,
-            d.message_id
-        );
-        return Ok(Outcome::Duplicate);
+    let outcome = existing_as(conn, d, scope_id, id_hash, d.fingerprint(), stored, now)?;
+    if matches!(outcome, Outcome::Conflict { .. }) {
+        keep_stored_fingerprint(conn, scope_id, id_hash, stored)?;
     }
-    let new = records::conflict(
-        conn,
-        &records::Conflict {
-            scope_id,
-            id_hash,
-            producer: d.producer,
-            message_id: d.message_id,
-            topic: d.topic,
-            stored,
-            received,
-        },
-        now,
-    )?;
-    for table in ["identities", "watermark_recent"] {
-        conn.prepare_cached(&format!(
-            "UPDATE {table} SET fingerprint = ?3 WHERE scope_id = ?1 AND id_hash = ?2"
-        ))?
-        .execute((scope_id, id_hash.as_bytes(), stored.to_sql()))?;
-    }
-    if new {
-        log::warn!(
-            "conflict in scope {}: message id {:?} (producer {:?}) arrived with fingerprint {received}, \
-             kept (not yet processed) with {stored}; recorded, not stored",
-            d.scope,
-            d.message_id,
-            d.producer
-        );
-    }
-    Ok(Outcome::Conflict { stored, received })
+    Ok(outcome)
 }
