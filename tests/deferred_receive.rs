@@ -358,3 +358,44 @@ fn an_open_body_past_the_watermark_window_is_compared_by_content() {
     let stats = inbox.scope_stats(SCOPE).unwrap();
     assert_eq!((stats.duplicates, stats.conflicts), (2, 4));
 }
+
+/// A dead letter or a receive that meets an open body whose identity row was deleted gives the body its
+/// identity back. Like every identity row not written by the strong case, that row is counted in the scope's
+/// `identity_offset` (`schema.sql`), so that it does not count as processed.
+#[test]
+fn an_identity_given_back_to_an_open_body_is_counted_as_not_processed() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = open(&dir.path().join("inbox.db"));
+    for id in ["X", "Y"] {
+        let d = Delivery::new(SCOPE, id, "orders/1", b"A");
+        assert!(matches!(inbox.receive(&d).unwrap(), Outcome::Received));
+    }
+    inbox
+        .connection()
+        .execute_batch("DELETE FROM identities")
+        .unwrap();
+    let rows_and_offset = |inbox: &edge_inbox::Inbox| -> (i64, i64) {
+        inbox
+            .connection()
+            .query_row(
+                "SELECT (SELECT count(*) FROM identities), identity_offset FROM scope_stats",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap()
+    };
+    let (rows, offset) = rows_and_offset(&inbox);
+    let x_other = Delivery::new(SCOPE, "X", "orders/1", b"B");
+    assert!(matches!(
+        inbox.dead_letter(&x_other, "refused").unwrap(),
+        Outcome::Conflict { .. }
+    ));
+    assert_eq!(
+        rows_and_offset(&inbox),
+        (rows + 1, offset + 1),
+        "dead letter"
+    );
+    let y = Delivery::new(SCOPE, "Y", "orders/1", b"A");
+    assert!(matches!(inbox.receive(&y).unwrap(), Outcome::Duplicate));
+    assert_eq!(rows_and_offset(&inbox), (rows + 2, offset + 2), "receive");
+}

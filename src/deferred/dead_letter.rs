@@ -92,6 +92,12 @@ impl Inbox {
             // An open or dead-lettered body of the same id without an identity of its own.
             Err(e) if is_unique_violation(&e) => {
                 let outcome = open_body_clash(&self.conn, d, scope_id, &id_hash, now)?;
+                // An identity row this claim added for the body is not a processed delivery either.
+                self.conn
+                    .prepare_cached(
+                        "UPDATE scope_stats SET identity_offset = identity_offset + ?2 WHERE scope_id = ?1",
+                    )?
+                    .execute((scope_id, rows))?;
                 return self.count_settled(scope_id, outcome);
             }
             Err(e) => return Err(e.into()),
