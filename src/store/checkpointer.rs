@@ -641,7 +641,12 @@ impl Thread {
         let c = self.copy();
         if c.rc == ffi::SQLITE_OK && c.done > 0 {
             if let Some(hurry) = write_back {
-                self.write_back.run(hurry);
+                if let Err(errno) = self.write_back.run(hurry) {
+                    // The failure was reported to a descriptor the sync below may go through, and would
+                    // not be reported again: the database file counts as unsynced.
+                    log::error!("writing the database file back failed (errno {errno})");
+                    return self.database_unsynced(ffi::SQLITE_IOERR_FSYNC);
+                }
             }
             if let Err(e) = sync_database(&self.conn) {
                 // The pin stays: see the module's doc.

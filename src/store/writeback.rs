@@ -10,6 +10,11 @@
 //! `/proc/self/fd` by the file's path and uses it without owning it (closing a descriptor of the file would
 //! drop SQLite's locks on it). A number closed and reused meanwhile makes a call fail or write back another
 //! file, which harms nothing. Elsewhere than Linux, or when the file is not found, nothing is paced.
+//!
+//! One thing it must not do is hide a failure: waiting for the write-back reports a failed write of the file
+//! (`EIO`, `ENOSPC`) to the descriptor it used, and only once, as a sync would. That descriptor may be the
+//! one the database file's next sync goes through, which would then succeed with pages lost. So such an
+//! error is returned, and the checkpoint takes it as a failed sync of the database file.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -44,8 +49,9 @@ impl WriteBack {
 
     /// Writes the file's dirty pages out to the device in steps, pausing after each as long as it took,
     /// without pauses once `hurry` is set (a commit waits for the checkpoint thread). Returns the steps that
-    /// wrote (took measurable time), 0 where nothing is paced.
-    pub(crate) fn run(&self, hurry: &AtomicBool) -> u32 {
+    /// wrote (took measurable time), 0 where nothing is paced; `Err` with the error number when the kernel
+    /// reported a failed write-back of the file (see the module's doc).
+    pub(crate) fn run(&self, hurry: &AtomicBool) -> Result<u32, i32> {
         #[cfg(target_os = "linux")]
         {
             self.run_linux(hurry)
@@ -53,17 +59,17 @@ impl WriteBack {
         #[cfg(not(target_os = "linux"))]
         {
             let _ = hurry;
-            0
+            Ok(0)
         }
     }
 
     #[cfg(target_os = "linux")]
-    fn run_linux(&self, hurry: &AtomicBool) -> u32 {
+    fn run_linux(&self, hurry: &AtomicBool) -> Result<u32, i32> {
         let Some(fd) = self.find_fd() else {
-            return 0;
+            return Ok(0);
         };
         let Ok(len) = std::fs::metadata(&self.path).map(|m| m.len() as i64) else {
-            return 0;
+            return Ok(0);
         };
         let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
             | libc::SYNC_FILE_RANGE_WRITE
@@ -74,7 +80,13 @@ impl WriteBack {
             // SAFETY: a plain system call on a descriptor number; no memory is passed. See the module's doc for
             // a number reused meanwhile.
             if unsafe { libc::sync_file_range(fd, off, step, flags) } != 0 {
-                return wrote;
+                let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+                // A failed write-back of the file, now reported to this descriptor and to no later sync
+                // of it; any other error is a descriptor number gone or reused, which harms nothing.
+                return match errno {
+                    libc::EIO | libc::ENOSPC => Err(errno),
+                    _ => Ok(wrote),
+                };
             }
             let took = t.elapsed();
             off += step;
@@ -91,7 +103,7 @@ impl WriteBack {
                 }
             }
         }
-        wrote
+        Ok(wrote)
     }
 
     /// A descriptor of this process open on the file.
@@ -128,7 +140,7 @@ mod tests {
         use std::io::Write;
         let mut f = &file;
         f.write_all(&vec![7u8; 8 << 20]).unwrap();
-        let steps = WriteBack::new(&path).run(&AtomicBool::new(true));
+        let steps = WriteBack::new(&path).run(&AtomicBool::new(true)).unwrap();
         assert!(steps >= 1, "nothing was written back");
     }
 }
