@@ -201,3 +201,48 @@ fn pass_throughs_behind_a_busy_handler_wait_for_room_in_the_budget() {
         summary.peak_held_bytes
     );
 }
+
+/// A batch given up on (its storage stayed busy past the retry limit) is counted among the deliveries left
+/// unacked, with those behind it: every delivery is processed, acked or counted as left.
+#[test]
+fn a_batch_given_up_on_counts_as_left_unacked() {
+    use edge_inbox::{AckGate, Error};
+
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("e.db");
+    let inbox = Inbox::open(
+        &db,
+        Config::default().busy_timeout(Duration::from_millis(20)),
+    )
+    .unwrap();
+    let gate = AckGate::new();
+    let mut core = ConsumerCore::new(inbox, "commands")
+        .batch(2, Duration::ZERO)
+        .storage_retry_limit(Duration::from_millis(200))
+        .gate(gate.clone());
+    let c = gate.connected();
+    core.connected(c, false);
+    for i in 0..3u16 {
+        let inbound =
+            Inbound::new("cmd/a", b"x".to_vec()).with_user_property("message-id", format!("e-{i}"));
+        core.push(c, inbound, Some(i + 1));
+    }
+    // Another writer holds the file: every commit is busy.
+    let lock = rusqlite::Connection::open(&db).unwrap();
+    lock.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let mut handler = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        tx.put(d.message_id, &1u8)?;
+        Ok(())
+    };
+    match core.settle(&mut handler) {
+        Err(Error::Busy { .. }) => {}
+        other => panic!("expected the busy error, got {other:?}"),
+    }
+    lock.execute_batch("ROLLBACK").unwrap();
+    let s = core.summary();
+    assert_eq!(
+        (s.received, s.processed, s.acked, s.dropped_stale),
+        (3, 0, 0, 3),
+        "{s:?}"
+    );
+}

@@ -877,9 +877,10 @@ impl ConsumerCore {
 
     /// Gives up on what is held: nothing more of it is acked; the broker redelivers it.
     fn abandon(&mut self, n: usize) {
+        // The batch given up on (taken out of `held` already) and everything behind it.
         let left = n + self.held.len();
         log::warn!("leaving {left} deliveries unacked; the broker redelivers them");
-        self.summary.dropped_stale += self.held.len() as u64;
+        self.summary.dropped_stale += left as u64;
         self.held.clear();
         self.queue.clear();
     }
