@@ -168,6 +168,14 @@ fn emmc_wear_is_read_from_the_files_device() {
     // No such files: not reported.
     let empty = tempfile::tempdir().unwrap();
     assert_eq!(inspect::device_wear_in(&path, empty.path()), None);
+    // A figure that cannot be read is unknown, and the other keeps its place.
+    let odd = tempfile::tempdir().unwrap();
+    let root = fake_sysfs(odd.path(), &path, "junk 0x05\n", "0x\n");
+    let wear = inspect::device_wear_in(&path, &root).expect("staged device");
+    assert_eq!(
+        (wear.life_time_a, wear.life_time_b, wear.pre_eol_info),
+        (None, Some(5), None)
+    );
 }
 
 #[test]

@@ -118,15 +118,15 @@ pub fn device_wear_in(path: &Path, sysfs: &Path) -> Option<DeviceWear> {
     let device = dir.file_name()?.to_string_lossy().into_owned();
     let read = |name: &str| std::fs::read_to_string(dir.join("device").join(name)).ok();
     let life = read("life_time").map(|s| parse_codes(&s));
-    let pre_eol = read("pre_eol_info").and_then(|s| parse_codes(&s).first().copied());
+    let pre_eol = read("pre_eol_info").and_then(|s| parse_codes(&s).first().copied().flatten());
     if life.is_none() && pre_eol.is_none() {
         return None;
     }
     let life = life.unwrap_or_default();
     Some(DeviceWear {
         device,
-        life_time_a: life.first().copied(),
-        life_time_b: life.get(1).copied(),
+        life_time_a: life.first().copied().flatten(),
+        life_time_b: life.get(1).copied().flatten(),
         pre_eol_info: pre_eol,
     })
 }
@@ -148,10 +148,12 @@ pub fn block_device_dir(path: &Path, sysfs: &Path) -> Option<PathBuf> {
         .ok()
 }
 
-/// Whitespace-separated byte values as the kernel prints them (`0x01 0x02`); unreadable ones are skipped.
-fn parse_codes(s: &str) -> Vec<u8> {
+/// Whitespace-separated byte values as the kernel prints them (`0x01 0x02`), by position: an unreadable one
+/// is unknown (`None`), and the values after it keep their places (type A's figure is never taken for type
+/// B's).
+fn parse_codes(s: &str) -> Vec<Option<u8>> {
     s.split_whitespace()
-        .filter_map(
+        .map(
             |w| match w.strip_prefix("0x").or_else(|| w.strip_prefix("0X")) {
                 Some(hex) => u8::from_str_radix(hex, 16).ok(),
                 None => w.parse().ok(),
@@ -166,9 +168,12 @@ mod tests {
 
     #[test]
     fn kernel_codes_parse() {
-        assert_eq!(parse_codes("0x01 0x0a\n"), vec![1, 10]);
-        assert_eq!(parse_codes("0x03\n"), vec![3]);
-        assert_eq!(parse_codes("2 junk 0x0B"), vec![2, 11]);
+        assert_eq!(parse_codes("0x01 0x0a\n"), vec![Some(1), Some(10)]);
+        assert_eq!(parse_codes("0x03\n"), vec![Some(3)]);
+        assert_eq!(parse_codes("2 junk 0x0B"), vec![Some(2), None, Some(11)]);
+        // An unreadable type A leaves type B in its place.
+        assert_eq!(parse_codes("junk 0x05\n"), vec![None, Some(5)]);
+        assert_eq!(parse_codes("0x100 0x02"), vec![None, Some(2)]);
         assert_eq!(DeviceWear::life_time_text(1), "0-10%");
         assert_eq!(DeviceWear::life_time_text(10), "90-100%");
         assert_eq!(DeviceWear::life_time_text(11), "beyond rated life");

@@ -306,7 +306,9 @@ unsafe extern "C" fn on_commit(
     // SAFETY: `arg` is the connection's `Wear` (see `install`), alive while the connection is.
     let wear = unsafe { &*(arg as *const Wear) };
     let pages = pages_written_by(db);
-    let new = pages.wrapping_sub(wear.pages_seen.get()) as u64;
+    // SQLite keeps this counter in 31 bits (`nRet & 0x7fffffff`): the difference is taken in the same bits,
+    // so that a wrap past 2^31 pages counts the pages written, not 2^31 more.
+    let new = u64::from(pages.wrapping_sub(wear.pages_seen.get()) & 0x7fff_ffff);
     wear.pages_seen.set(pages);
     let frames = i64::from(frames);
     // The WAL started over from its beginning since this connection last looked.
