@@ -617,12 +617,14 @@ impl RelayLoop {
             // A publish the broker's CONNACK rules out would be answered by closing the connection, and
             // the relay would send it again at every reconnection, holding back every row behind it: it is
             // parked instead, for an operator.
-            let size = packet_size(&row.topic, qos, &row.payload, &props);
-            let refused = if allowed.max_packet.is_some_and(|max| size > max as usize) {
-                Some(format!(
-                    "is {size} bytes on the wire, over the broker's maximum packet size of {}",
-                    allowed.max_packet.unwrap_or(0)
-                ))
+            let too_large = allowed.max_packet.and_then(|max| {
+                let size = packet_size(&row.topic, qos, &row.payload, &props);
+                (size > max as usize).then(|| {
+                    format!("is {size} bytes on the wire, over the broker's maximum packet size of {max}")
+                })
+            });
+            let refused = if too_large.is_some() {
+                too_large
             } else if row.properties.retain && !allowed.retain {
                 Some("is retained, and the broker does not take retained messages".to_owned())
             } else if qos == Q5::AtLeastOnce && allowed.max_qos == 0 {
