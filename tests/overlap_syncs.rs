@@ -65,23 +65,22 @@ impl wrap_vfs::Observer for SlowCard {
         if db_is_switching && delay.is_zero() {
             return ffi::SQLITE_OK;
         }
+        let by_sync_thread = std::thread::current().name() == Some(SYNC_THREAD);
+        let db = SYNC_THREAD_SYNCS.lock().unwrap()[tag].0.clone();
+        if by_sync_thread && db == "stopping.db" {
+            STOPPING_SYNC_STARTS.lock().unwrap().push(Instant::now());
+        }
         let rc = real();
         std::thread::sleep(delay);
-        if std::thread::current().name() == Some(SYNC_THREAD) {
-            let db = SYNC_THREAD_SYNCS.lock().unwrap()[tag].0.clone();
-            if db == "stalled.db" {
-                // Bounded: a test that fails still ends.
-                let deadline = Instant::now() + Duration::from_secs(60);
-                while STALLED.load(Ordering::Relaxed) && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
+        if by_sync_thread && db == "stalled.db" {
+            // Bounded: a test that fails still ends.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while STALLED.load(Ordering::Relaxed) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
             }
         }
-        if std::thread::current().name() == Some(SYNC_THREAD) {
-            let db = SYNC_THREAD_SYNCS.lock().unwrap()[tag].0.clone();
-            if db == "stopping.db" {
-                STOPPING_SYNC_ENDS.lock().unwrap().push(Instant::now());
-            }
+        if by_sync_thread && db == "stopping.db" {
+            STOPPING_SYNC_ENDS.lock().unwrap().push(Instant::now());
         }
         rc
     }
@@ -90,7 +89,8 @@ impl wrap_vfs::Observer for SlowCard {
 /// While set, the sync thread's syncs of `stalled.db` do not end (a card busy with its own housekeeping).
 static STALLED: AtomicBool = AtomicBool::new(false);
 
-/// When each sync of `stopping.db` by the sync thread returned.
+/// When each sync of `stopping.db` by the sync thread began, and when it returned.
+static STOPPING_SYNC_STARTS: Mutex<Vec<Instant>> = Mutex::new(Vec::new());
 static STOPPING_SYNC_ENDS: Mutex<Vec<Instant>> = Mutex::new(Vec::new());
 
 /// The sync delay of `switching.db`, in microseconds (changed while its consumer runs).
@@ -448,6 +448,16 @@ fn a_stop_sends_each_syncs_acks_as_it_ends_not_all_after_the_last() {
         publish(&mut feed, &format!("stop-{k}"), k + 1);
     }
     first_batch_committed(&path, 4);
+    // The second batch must commit while the first one's sync is under way: on a loaded machine the sync
+    // thread may start it late, and a sync that began after both commits would cover both.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while STOPPING_SYNC_STARTS.lock().unwrap().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the sync thread never synced stopping.db"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
     for k in 4..8u16 {
         publish(&mut feed, &format!("stop-{k}"), k + 1);
     }
@@ -495,7 +505,8 @@ fn commits_go_no_further_than_the_budget_ahead_of_a_sync_that_does_not_end() {
     let _events = core.events(100_000);
     let sent = SentAcks::default();
     let (mut feed, commits) = core.spawn(bump, sent.clone(), 65_000).unwrap();
-    let total = 20_000usize;
+    // Far more than the bound below, and light enough for the tests beside it under emulation.
+    let total = 4_000usize;
     let handed = Arc::new(AtomicUsize::new(0));
     let counter = handed.clone();
     STALLED.store(true, Ordering::Relaxed);
