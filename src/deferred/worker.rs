@@ -468,9 +468,9 @@ impl Worker {
 
     /// After a `COMMIT` refused by a deferred constraint, which SQLite checks only then (nothing was
     /// committed): as in the strong case, each message gets a transaction of its own, and the one whose own
-    /// commit is refused counts a failed attempt (retried after its backoff, dead-lettered at the last), so one
-    /// message cannot stop the worker. An error meanwhile leaves the messages applied before it committed and
-    /// gives back the leases of the rest.
+    /// commit is refused counts a failed attempt (retried after its backoff, dead-lettered at the last), so
+    /// one message cannot stop the worker. An error meanwhile leaves the messages applied before it committed
+    /// and gives back the leases of the rest.
     fn isolate_refused<H: Handler>(
         &mut self,
         claims: &[Claim],

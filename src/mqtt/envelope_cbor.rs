@@ -1,6 +1,6 @@
-//! Decoding a CBOR envelope as a stream: the fields it knows are read into place, everything else is skipped
-//! without being built, so a publisher's padding (a long array, a deep map, keys of any type) costs no memory.
-//! Building a whole `ciborium::Value` first took about fifty times the payload.
+//! Decoding a CBOR envelope as a stream: the fields it knows are read into place, everything else is
+//! skipped without being built, so a publisher's padding (a long array, a deep map, keys of any type) costs
+//! no memory. Building a whole `ciborium::Value` first took about fifty times the payload.
 
 use std::fmt;
 

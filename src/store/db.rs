@@ -467,8 +467,8 @@ impl Db {
         self.current.set(UNKNOWN_LEVEL);
     }
 
-    /// After [`Db::distrust_settings`]: the journal back in WAL mode, read back (the `synchronous` level is set
-    /// again by [`Db::prepare_level`]). Called outside any transaction.
+    /// After [`Db::distrust_settings`]: the journal back in WAL mode, read back (the `synchronous` level is
+    /// set again by [`Db::prepare_level`]). Called outside any transaction.
     pub(crate) fn recheck_settings(&self) -> Result<()> {
         if !self.settings_suspect.get() {
             return Ok(());
