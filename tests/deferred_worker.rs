@@ -16,6 +16,22 @@ fn worker(path: &std::path::Path, config: WorkerConfig) -> Worker {
     Worker::new(open(path), SCOPE, config).unwrap()
 }
 
+/// Runs `w` until nothing is claimable (bounded: panics after a minute); what it did in all.
+fn drain(
+    w: &mut Worker,
+    handler: &mut impl FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()>,
+) -> edge_inbox::Drained {
+    let mut total = edge_inbox::Drained::default();
+    until("nothing claimable", Duration::from_secs(60), || {
+        let d = w.run_once(&mut *handler).unwrap();
+        total.processed += d.processed;
+        total.retrying += d.retrying;
+        total.dead_lettered += d.dead_lettered;
+        d.claimed == 0
+    });
+    total
+}
+
 #[test]
 fn live_lease_is_exclusive_and_expired_lease_is_reclaimed_and_stale_commit_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -129,14 +145,7 @@ fn poison_message_is_dead_lettered_after_max_attempts_and_requeue_processes_it_o
         }
         Ok(())
     };
-    let mut total = edge_inbox::Drained::default();
-    until("dead letter", Duration::from_secs(60), || {
-        let d = w.run_once(&mut handler).unwrap();
-        total.processed += d.processed;
-        total.retrying += d.retrying;
-        total.dead_lettered += d.dead_lettered;
-        d.claimed == 0
-    });
+    let total = drain(&mut w, &mut handler);
     assert_eq!(
         (total.processed, total.retrying, total.dead_lettered),
         (9, 2, 1)
@@ -658,14 +667,7 @@ fn a_refused_commit_costs_the_message_at_fault_an_attempt_not_the_worker_its_run
         )?;
         Ok(())
     };
-    let mut total = edge_inbox::Drained::default();
-    until("dead letter", Duration::from_secs(60), || {
-        let d = w.run_once(&mut handler).unwrap();
-        total.processed += d.processed;
-        total.retrying += d.retrying;
-        total.dead_lettered += d.dead_lettered;
-        d.claimed == 0
-    });
+    let total = drain(&mut w, &mut handler);
     assert_eq!(
         (total.processed, total.retrying, total.dead_lettered),
         (9, 2, 1)
