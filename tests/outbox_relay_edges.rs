@@ -33,6 +33,22 @@ fn commit(inbox: &mut Inbox, topic: &str, payloads: &[Vec<u8>]) {
         .unwrap();
 }
 
+/// Waits (at most 30 s) until the relay has parked one row and sent the other two, and the subscriber got
+/// them; stops the relay. Its statistics and the payloads received, in order.
+fn one_parked_two_sent(
+    relay: Relay,
+    inbox: &Inbox,
+    sub: &Subscriber,
+) -> (edge_inbox::RelayStats, Vec<Vec<u8>>) {
+    let done = common::wait_for(Duration::from_secs(30), || {
+        let b = inbox.outbox_backlog().unwrap();
+        (b.parked == 1 && b.pending == 0 && b.sent == 2 && sub.count() >= 2).then_some(b)
+    });
+    let stats = relay.stop();
+    assert!(done.is_some(), "{:?} {stats:?}", inbox.outbox_backlog());
+    (stats, sub.got().into_iter().map(|g| g.payload).collect())
+}
+
 fn relay(db: &Path, port: u16, client: &str) -> Relay {
     Relay::start_with(
         Inbox::open(db, Config::default()).unwrap(),
@@ -148,13 +164,7 @@ fn a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on() {
     );
 
     let relay = relay(&db, broker.port, "edges-relay-big");
-    let done = common::wait_for(Duration::from_secs(30), || {
-        let b = inbox.outbox_backlog().unwrap();
-        (b.parked == 1 && b.pending == 0 && b.sent == 2 && sub.count() >= 2).then_some(b)
-    });
-    let stats = relay.stop();
-    assert!(done.is_some(), "{:?} {stats:?}", inbox.outbox_backlog());
-    let payloads: Vec<Vec<u8>> = sub.got().into_iter().map(|g| g.payload).collect();
+    let (stats, payloads) = one_parked_two_sent(relay, &inbox, &sub);
     assert_eq!(payloads, [b"small-0".to_vec(), b"small-2".to_vec()]);
     assert_eq!(
         stats.connection_failures, 0,
@@ -239,13 +249,7 @@ fn a_row_the_brokers_connack_rules_out_is_parked_and_the_rest_go_on() {
         .unwrap();
 
     let relay = relay(&db, broker.port, "edges-relay-retain");
-    let done = common::wait_for(Duration::from_secs(30), || {
-        let b = inbox.outbox_backlog().unwrap();
-        (b.parked == 1 && b.pending == 0 && b.sent == 2 && sub.count() >= 2).then_some(b)
-    });
-    let stats = relay.stop();
-    assert!(done.is_some(), "{:?} {stats:?}", inbox.outbox_backlog());
-    let payloads: Vec<Vec<u8>> = sub.got().into_iter().map(|g| g.payload).collect();
+    let (stats, payloads) = one_parked_two_sent(relay, &inbox, &sub);
     assert_eq!(payloads, [b"evt-0".to_vec(), b"evt-2".to_vec()]);
     assert_eq!(
         stats.connection_failures, 0,
