@@ -243,7 +243,8 @@
 //! the WAL, at any `synchronous` level, so that no page reaches the database file before its frame is on the
 //! disk. A handler that sets `PRAGMA wal_autocheckpoint` or its own WAL hook on the connection replaces the
 //! inbox's and stops the counting. The counts are saved in the file after each checkpoint and at close
-//! (`inboxctl stats` reads them), so they lag by a WAL's worth at most; the eMMC's own wear figures come from
+//! (`inboxctl stats` reads them), so they lag by up to about two WALs' worth (the frames of one WAL and the
+//! checkpoint's copy of the one before); the eMMC's own wear figures come from
 //! [`inspect::device_wear`]. [`Config::page_size`] sets the page size of a new file.
 //!
 //! ## Resolving an unknown commit

@@ -15,9 +15,9 @@ use crate::store::wear::{CHECKPOINT_BYTES, WAL_BYTES};
 /// Counted by every writing [`Inbox`] at no cost per commit (see [`Inbox::bytes_written`]) and saved in the
 /// file from time to time, so the figure read from the file ([`bytes_written`]) lags: it lacks what open
 /// connections wrote since their last checkpoint, and what a connection that died without closing wrote
-/// since then (a WAL's worth at most, a few MiB with the default checkpoint threshold). It is a floor of the
-/// bytes SQLite wrote, and SQLite's writes are a floor of what the device writes (file-system metadata and
-/// journal, the flash's own write amplification come on top).
+/// since then (up to about two WALs' worth: about 80 MiB at the default checkpoint threshold and 4 KiB pages).
+/// It is a floor of the bytes SQLite wrote, and SQLite's writes are a floor of what the device writes
+/// (file-system metadata and journal, the flash's own write amplification come on top).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct BytesWritten {
