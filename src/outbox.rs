@@ -635,26 +635,32 @@ impl Inbox {
     /// Parks a pending row the broker cannot take at all (its CONNACK rules it out), as if refused
     /// `max_refusals` times.
     pub(crate) fn outbox_park(&mut self, seq: i64) -> Result<()> {
-        self.conn
-            .prepare_cached(
-                "UPDATE outbox SET attempts = attempts + 1, state = 2 WHERE seq = ?1 AND state = 0",
-            )?
-            .execute([seq])?;
-        Ok(())
+        // In a transaction of the inbox's own, like every write on its connection (see
+        // `requeue_parked_outbox`).
+        write(&self.conn, || {
+            self.conn
+                .prepare_cached(
+                    "UPDATE outbox SET attempts = attempts + 1, state = 2 WHERE seq = ?1 AND state = 0",
+                )?
+                .execute([seq])?;
+            Ok(())
+        })
     }
 
     /// Counts a publish the broker refused; parks the row once it was refused `max_refusals` times, so it no
     /// longer holds back the rows after it. True when it was parked now.
     pub(crate) fn outbox_refused(&mut self, seq: i64, max_refusals: u32) -> Result<bool> {
-        let state: Option<i64> = self
-            .conn
-            .prepare_cached(
-                "UPDATE outbox SET attempts = attempts + 1, \
-                 state = CASE WHEN attempts + 1 >= ?2 THEN 2 ELSE state END \
-                 WHERE seq = ?1 AND state = 0 RETURNING state",
-            )?
-            .query_row((seq, max_refusals), |r| r.get(0))
-            .optional()?;
+        let state: Option<i64> = write(&self.conn, || {
+            Ok(self
+                .conn
+                .prepare_cached(
+                    "UPDATE outbox SET attempts = attempts + 1, \
+                     state = CASE WHEN attempts + 1 >= ?2 THEN 2 ELSE state END \
+                     WHERE seq = ?1 AND state = 0 RETURNING state",
+                )?
+                .query_row((seq, max_refusals), |r| r.get(0))
+                .optional()?)
+        })?;
         Ok(state == Some(2))
     }
 }
