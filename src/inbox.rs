@@ -15,7 +15,7 @@ use crate::store::identity::{Delivery, Fingerprint, IdHash};
 use crate::store::outcome::{MessageState, Outcome, Status};
 use crate::store::records::{self, Quarantine};
 use crate::store::schema;
-use crate::store::state::{is_storage_failure, Tx};
+use crate::store::state::{is_interrupt, is_storage_failure, Tx};
 use crate::store::txn::{begin, commit, release, unix_now};
 
 /// A handler: applies one delivery's effect inside the open transaction.
@@ -600,7 +600,9 @@ pub(crate) fn run_handler<H: Handler>(
     if let Some(code) = failure.get() {
         return Err(storage_error(code));
     }
-    let own = own_storage_failure(conn);
+    // An interrupt comes from the handler (the inbox never interrupts): of a read, the transaction is whole
+    // and the handler's verdict stands; of a write, SQLite ended the transaction (below).
+    let own = own_storage_failure(conn).filter(|c| !is_interrupt(*c));
     // The handler returned the inbox connection's own failure (wrapped or not): that error, as before a
     // rollback it may have caused is reported, so a full disk stays `DiskFull` (retryable).
     if let (Some(own), Err(e)) = (own, &result) {
@@ -613,8 +615,8 @@ pub(crate) fn run_handler<H: Handler>(
         // inbox's storage trouble (retryable, never acked), even when the handler swallowed it. An interrupt
         // (or a rollback the handler asked for) is the handler ending the transaction.
         return Err(match own {
-            Some(code) if code & 0xff != rusqlite::ffi::SQLITE_INTERRUPT => storage_error(code),
-            _ => Error::HandlerEndedTransaction,
+            Some(code) => storage_error(code),
+            None => Error::HandlerEndedTransaction,
         });
     }
     // Met on the inbox connection and swallowed (or another error returned): the transaction is not whole.

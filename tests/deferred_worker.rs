@@ -363,22 +363,86 @@ fn storage_error_consumes_no_attempt_and_commits_nothing() {
 }
 
 #[test]
-fn handler_ending_the_transaction_fails_the_batch() {
+fn handler_ending_the_transaction_costs_its_message_an_attempt() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
     let mut inbox = open(&path);
     receive_n(&mut inbox, 1);
-    let mut w = worker(&path, WorkerConfig::default());
-    let err = w.run_once(&mut |tx: &mut Tx<'_>, _: &Delivery<'_>| {
-        tx.sql().execute_batch("ROLLBACK")?;
-        Ok(())
-    });
-    assert!(
-        matches!(err, Err(Error::HandlerEndedTransaction)),
-        "{err:?}"
-    );
-    assert_eq!(states(&inbox), [1, 0, 0, 0]);
+    let config = WorkerConfig::default().backoff(Duration::ZERO, Duration::ZERO);
+    let mut w = worker(&path, config);
+    let d = w
+        .run_once(&mut |tx: &mut Tx<'_>, _: &Delivery<'_>| {
+            tx.sql().execute_batch("ROLLBACK")?;
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!((d.processed, d.retrying), (0, 1));
+    assert_eq!(states(&inbox), [0, 0, 1, 0]);
+    assert_eq!(effects(&inbox), (0, 0, 0));
     assert_eq!(w.run_once(&mut count_effect).unwrap().processed, 1);
+    assert_eq!(effects(&inbox), (1, 1, 1));
+}
+
+/// A message whose handler always ends the transaction (a trigger of the application's rolls it back on bad
+/// data) or always interrupts its own read: each is dead-lettered after its attempts, and the messages behind
+/// it, claimed in the same batches, are applied once each.
+#[test]
+fn a_handler_that_always_ends_or_interrupts_its_transaction_dead_letters_one_message_not_the_worker(
+) {
+    for poison in ["trigger", "interrupt"] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("inbox.db");
+        let mut inbox = open(&path);
+        inbox
+            .connection()
+            .execute_batch(
+                "CREATE TABLE seen (message_id TEXT PRIMARY KEY);
+                 CREATE TRIGGER poison BEFORE INSERT ON seen WHEN NEW.message_id = 'm-0'
+                 BEGIN SELECT RAISE(ROLLBACK, 'poison'); END;",
+            )
+            .unwrap();
+        receive_n(&mut inbox, 5);
+        let config = WorkerConfig::default()
+            .max_attempts(2)
+            .backoff(Duration::ZERO, Duration::ZERO)
+            .batch(5);
+        let mut w = worker(&path, config);
+        let mut handler = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+            count_effect(tx, d)?;
+            if poison == "interrupt" && d.message_id == "m-0" {
+                // A guard on a slow query that always fires: the read is interrupted, the error returned.
+                tx.sql().progress_handler(1, Some(|| true)).unwrap();
+                let read = tx
+                    .sql()
+                    .query_row("SELECT count(*) FROM effects", [], |r| r.get::<_, i64>(0));
+                tx.sql().progress_handler(1, None::<fn() -> bool>).unwrap();
+                read?;
+            }
+            tx.sql()
+                .execute("INSERT INTO seen (message_id) VALUES (?1)", [d.message_id])?;
+            Ok(())
+        };
+        let total = drain(&mut w, &mut handler);
+        assert_eq!(
+            (total.processed, total.retrying, total.dead_lettered),
+            (4, 1, 1),
+            "{poison}"
+        );
+        assert_eq!(effects(&inbox), (4, 4, 1), "{poison}");
+        assert_eq!(states(&inbox), [0, 4, 0, 1], "{poison}");
+        let dead = inbox.dead_letters(SCOPE, 10).unwrap();
+        assert_eq!(
+            (dead[0].message_id.as_str(), dead[0].attempts),
+            ("m-0", 2),
+            "{poison}"
+        );
+        let stats = inbox.scope_stats(SCOPE).unwrap();
+        assert_eq!(
+            (stats.processed, stats.handler_failures, stats.dead_lettered),
+            (4, 2, 1),
+            "{poison}"
+        );
+    }
 }
 
 /// Receives `keys * per_key` messages, interleaved across keys; payload = position within its key.

@@ -77,6 +77,85 @@ fn a_foreign_databases_cantopen_is_a_handler_failure_not_inbox_storage_trouble()
     assert_eq!((st.handler_failures, st.processed), (2, 1));
 }
 
+/// A handler that interrupts its own read on the inbox's connection (a progress handler guarding a slow query)
+/// caused the failure itself: a handler failure, whether it returns the error or goes on without the read; an
+/// interrupted write makes SQLite end the transaction, which fails the call as such.
+#[test]
+fn an_interrupt_the_handler_causes_is_its_own_failure_not_storage_trouble() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    inbox
+        .connection()
+        .execute_batch("CREATE TABLE marks (id TEXT PRIMARY KEY)")
+        .unwrap();
+    fn interrupted<T>(
+        tx: &Tx<'_>,
+        sql: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+    ) -> rusqlite::Result<T> {
+        tx.sql().progress_handler(1, Some(|| true)).unwrap();
+        let r = sql(tx.sql());
+        tx.sql().progress_handler(1, None::<fn() -> bool>).unwrap();
+        r
+    }
+    let read = |tx: &Tx<'_>| {
+        interrupted(tx, |c| {
+            c.query_row("SELECT count(*) FROM marks", [], |r| r.get::<_, i64>(0))
+        })
+    };
+    let mark = |tx: &Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        tx.sql()
+            .execute("INSERT INTO marks (id) VALUES (?1)", [d.message_id])?;
+        Ok(())
+    };
+    let d = Delivery::new("s", "evt-1", "t", b"x");
+    match inbox.process(&d, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
+        mark(tx, d)?;
+        read(tx)?;
+        Ok(())
+    }) {
+        Ok(Outcome::HandlerFailed(e)) => {
+            let code = e
+                .downcast_ref::<rusqlite::Error>()
+                .and_then(|e| e.sqlite_error_code());
+            assert_eq!(
+                code,
+                Some(rusqlite::ErrorCode::OperationInterrupted),
+                "{e:#}"
+            );
+        }
+        other => panic!("expected a handler failure, got {other:?}"),
+    }
+    // Swallowed: the interrupted read changed nothing, and the rest of the effect commits with the identity.
+    let d = Delivery::new("s", "evt-2", "t", b"x");
+    let out = inbox.process(&d, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
+        assert!(read(tx).is_err());
+        mark(tx, d)
+    });
+    assert!(matches!(out, Ok(Outcome::Processed)), "{out:?}");
+    // An interrupted write: SQLite rolled the transaction back.
+    let d = Delivery::new("s", "evt-3", "t", b"x");
+    let out = inbox.process(&d, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
+        interrupted(tx, |c| {
+            c.execute("INSERT INTO marks (id) VALUES (?1)", [d.message_id])
+        })?;
+        Ok(())
+    });
+    assert!(
+        matches!(out, Err(Error::HandlerEndedTransaction)),
+        "{out:?}"
+    );
+    let marks = count(
+        inbox.connection(),
+        "SELECT group_concat(id) IS 'evt-2' FROM marks",
+    );
+    assert_eq!(
+        marks, 1,
+        "only the delivery that went on without its read left a mark"
+    );
+    let st = inbox.scope_stats("s").unwrap();
+    assert_eq!((st.handler_failures, st.processed), (1, 1));
+}
+
 #[test]
 fn a_foreign_databases_cantopen_in_the_worker_uses_attempts_and_is_dead_lettered() {
     let dir = tempfile::tempdir().unwrap();

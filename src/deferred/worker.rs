@@ -378,13 +378,15 @@ impl Worker {
     /// identity is ensured; the handler runs. A handler failure rolls back its own effect and state change and
     /// records the failure (backoff or dead letter) instead.
     ///
-    /// A `COMMIT` refused by a deferred constraint of the application's tables (a deferred foreign key, say)
-    /// is not an `Err`: as [`Inbox::process_batch`](crate::Inbox::process_batch) does, the claims are then
-    /// applied one per transaction, and the one whose own commit is refused records a failed attempt.
+    /// A `COMMIT` refused by a deferred constraint of the application's tables (a deferred foreign key, say;
+    /// as in [`Inbox::process_batch`](crate::Inbox::process_batch)) or a handler that ended the transaction
+    /// ([`Error::HandlerEndedTransaction`]: a trigger's `RAISE(ROLLBACK)`, an interrupted write) is not an
+    /// `Err`: the claims are then applied one per transaction, and the one whose own transaction fails that
+    /// way records a failed attempt.
     ///
-    /// An `Err` (storage trouble, or a handler that ended the transaction) commits nothing of the transaction
-    /// it ended and consumes no attempts; the leases are given back when possible, else they expire. After a
-    /// refused commit, the claims applied one by one before the error stay committed.
+    /// An `Err` (storage trouble) commits nothing of the transaction it ended and consumes no attempts; the
+    /// leases are given back when possible, else they expire. After such a failure, the claims applied one by
+    /// one before the error stay committed.
     pub fn complete<H: Handler>(
         &mut self,
         claims: &[Claim],
@@ -452,8 +454,18 @@ impl Worker {
             if !conn.is_autocommit() {
                 let _ = conn.execute_batch("ROLLBACK");
             }
-            if let Error::CommitRefused { code, source } = e {
-                return self.isolate_refused(claims, handler, code, source, out);
+            match e {
+                Error::CommitRefused { code, source } => {
+                    let why = anyhow::Error::new(source).context(format!(
+                        "COMMIT refused by a deferred constraint (SQLite code {code})"
+                    ));
+                    return self.isolate(claims, handler, why, out);
+                }
+                Error::HandlerEndedTransaction => {
+                    let why = anyhow::Error::new(Error::HandlerEndedTransaction);
+                    return self.isolate(claims, handler, why, out);
+                }
+                _ => {}
             }
             // Give the leases back so the messages need not wait for expiry; not when the database is busy
             // (that would wait out the busy timeout again) nor when the commit may have happened (harmless,
@@ -466,28 +478,26 @@ impl Worker {
         result
     }
 
-    /// After a `COMMIT` refused by a deferred constraint, which SQLite checks only then (nothing was
-    /// committed): as in the strong case, each message gets a transaction of its own, and the one whose own
-    /// commit is refused counts a failed attempt (retried after its backoff, dead-lettered at the last), so
-    /// one message cannot stop the worker. An error meanwhile leaves the messages applied before it committed
-    /// and gives back the leases of the rest.
-    fn isolate_refused<H: Handler>(
+    /// After a failure one of the messages caused and that ended the whole transaction (nothing was
+    /// committed): a `COMMIT` refused by a deferred constraint, which SQLite checks only then, or a handler
+    /// that ended the transaction (a trigger's `RAISE(ROLLBACK)`, an interrupted write). As in the strong
+    /// case, each message gets a transaction of its own, and the one whose own transaction fails that way
+    /// counts a failed attempt (retried after its backoff, dead-lettered at the last), so one message cannot
+    /// stop the worker or hold back the messages after it. An error meanwhile leaves the messages applied
+    /// before it committed and gives back the leases of the rest.
+    fn isolate<H: Handler>(
         &mut self,
         claims: &[Claim],
         handler: &mut H,
-        code: i32,
-        source: rusqlite::Error,
+        why: anyhow::Error,
         out: &mut Vec<Completion>,
     ) -> Result<usize> {
         if let [c] = claims {
-            let err = anyhow::Error::new(source).context(format!(
-                "COMMIT refused by a deferred constraint (SQLite code {code})"
-            ));
-            out.push(self.refused(c, err)?);
+            out.push(self.refused(c, why)?);
             return Ok(1);
         }
         log::warn!(
-            "scope {}: COMMIT of up to {} messages refused (SQLite code {code}); applying them one by one",
+            "scope {}: the transaction of up to {} messages failed ({why:#}); applying them one by one",
             self.scope,
             claims.len()
         );
@@ -506,8 +516,8 @@ impl Worker {
         Ok(claims.len())
     }
 
-    /// One failed attempt for a message whose own `COMMIT` was refused, in a transaction of its own, if this
-    /// worker still holds its lease.
+    /// One failed attempt for a message whose own transaction failed for its sake (see [`Worker::isolate`]),
+    /// in a transaction of its own, if this worker still holds its lease.
     fn refused(&mut self, c: &Claim, err: anyhow::Error) -> Result<Completion> {
         let conn = &self.inbox.conn;
         begin(conn)?;

@@ -158,12 +158,22 @@ impl<'a> Tx<'a> {
             return Err(Error::HandlerEndedTransaction);
         }
         f().map_err(|e| {
-            if let Some(code) = extended_code(&e).filter(|c| is_storage_failure(*c)) {
+            // An interrupted read leaves the transaction whole: the handler's own failure, which it
+            // returns or not (an interrupted write ends the transaction, which the check above catches).
+            if let Some(code) =
+                extended_code(&e).filter(|c| is_storage_failure(*c) && !is_interrupt(*c))
+            {
                 self.failure.set(Some(code));
             }
             Error::from(e)
         })
     }
+}
+
+/// An interrupt: on the inbox's connection only a handler causes one (`sqlite3_interrupt`, a progress
+/// handler), as the inbox never interrupts its own statements.
+pub(crate) fn is_interrupt(extended: i32) -> bool {
+    extended & 0xff == ffi::SQLITE_INTERRUPT
 }
 
 /// True for result codes that mean the store itself is in trouble (as opposed to a statement that is wrong
