@@ -414,3 +414,118 @@ fn a_lost_call_dropped_before_it_returns_still_ends_the_connection_at_the_gate()
     assert!(summary.processed > 0, "{summary:?}");
     assert_eq!(summary.acked, 0, "{summary:?}");
 }
+
+/// A handler that waits until `released` (bounded, so a failing test still ends), then counts.
+fn held_until(
+    released: &Arc<AtomicBool>,
+) -> impl FnMut(&mut Tx<'_>, &Delivery<'_>) -> anyhow::Result<()> + Send + 'static {
+    let released = released.clone();
+    move |tx: &mut Tx<'_>, d: &Delivery<'_>| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !released.load(Ordering::SeqCst) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        count(tx, d)
+    }
+}
+
+fn command(i: u16) -> Inbound {
+    Inbound::new("cmd/a", vec![b'x'; 1024]).with_user_property("message-id", format!("m-{i}"))
+}
+
+/// Publishes until a hand-over waits for room in the budget (the handler holds the first delivery); returns
+/// the packet id of the one left waiting, whose call was dropped.
+async fn fill_budget(feed: &mut AsyncFeed) -> u16 {
+    for id in 1..100u16 {
+        // A hand-over with room takes far less, under emulation too; one without room never ends.
+        let publish = feed.publish(command(id), Some(id));
+        if tokio::time::timeout(Duration::from_secs(2), publish)
+            .await
+            .is_err()
+        {
+            return id;
+        }
+    }
+    panic!("no hand-over waited for room in the budget");
+}
+
+/// Calls dropped while the event before them still waits for room in the budget (a timeout, a `select!`),
+/// one of them never polled, still hand their events over, in order: the PUBACKs skip no arrival.
+#[test]
+fn calls_dropped_behind_a_waiting_event_still_hand_theirs_over_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("dropped.db"), Config::default()).unwrap();
+    let released = Arc::new(AtomicBool::new(false));
+    let sent = common::SentAcks::default();
+    let (feed, commits) = ConsumerCore::new(inbox, SCOPE)
+        .memory_budget(4 << 10)
+        .spawn(held_until(&released), sent.clone(), 100)
+        .unwrap();
+    let last = current_thread().block_on(async move {
+        let mut feed = AsyncFeed::new(feed);
+        feed.connected(false).await.unwrap();
+        let waiting = fill_budget(&mut feed).await;
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(100),
+            feed.publish(command(waiting + 1), Some(waiting + 1)),
+        )
+        .await;
+        assert!(dropped.is_err(), "a call behind a waiting one returned");
+        drop(feed.publish(command(waiting + 2), Some(waiting + 2)));
+        released.store(true, Ordering::SeqCst);
+        let last = waiting + 3;
+        feed.publish(command(last), Some(last)).await.unwrap();
+        drop(feed);
+        let (_core, result) = commits.join_until(std::future::pending()).await;
+        result.unwrap();
+        last
+    });
+    sent.wait_for(usize::from(last));
+    assert_eq!(sent.all(), (1..=last).collect::<Vec<_>>());
+    assert_eq!(applied(&dir.path().join("dropped.db")), i64::from(last));
+}
+
+/// `connected` and `lost` calls dropped before they were first polled: the loss ended the connection at the
+/// gate when it was called, and a CONNACK handed over after a loss taken behind it does not open the gate
+/// again, so only the connection after them takes acks.
+#[test]
+fn connection_calls_dropped_unpolled_still_take_effect_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("unpolled.db"), Config::default()).unwrap();
+    let released = Arc::new(AtomicBool::new(false));
+    let sent = common::SentAcks::default();
+    let (feed, commits) = ConsumerCore::new(inbox, SCOPE)
+        .memory_budget(4 << 10)
+        .spawn(held_until(&released), sent.clone(), 100)
+        .unwrap();
+    let summary = current_thread().block_on(async move {
+        let mut feed = AsyncFeed::new(feed);
+        let first = feed.connected(false).await.unwrap();
+        drop(feed.lost(|| {}));
+        assert_eq!(
+            feed.gate().current(),
+            None,
+            "an unpolled lost left the gate open"
+        );
+        // A CONNACK, then its connection's loss, both dropped behind a hand-over that waits for room.
+        drop(feed.connected(true));
+        feed.subscribed().await.unwrap();
+        let _ = feed.publish(command(1), Some(1)).await;
+        let waiting = fill_budget(&mut feed).await;
+        assert!(waiting > 1);
+        drop(feed.connected(true));
+        drop(feed.lost(|| {}));
+        released.store(true, Ordering::SeqCst);
+        let third = feed.connected(true).await.unwrap();
+        assert!(third > first);
+        assert_eq!(feed.gate().current(), Some(third));
+        for id in 500..505u16 {
+            feed.publish(command(id), Some(id)).await.unwrap();
+        }
+        drop(feed);
+        let (_core, result) = commits.join_until(std::future::pending()).await;
+        result.unwrap()
+    });
+    sent.wait_for(5);
+    assert_eq!(sent.all(), (500..505).collect::<Vec<_>>(), "{summary:?}");
+}

@@ -6,8 +6,11 @@
 //! [`Consumer::run`]), and every wait that could block (a full feed channel, a join) runs on tokio's blocking
 //! pool, which a current-thread runtime has too.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use tokio::task::{spawn_blocking, JoinError, JoinHandle};
 
@@ -21,19 +24,33 @@ use crate::store::error::Result;
 
 type Handed = std::result::Result<Option<ConnectionId>, FeedClosed>;
 
+/// An event waiting to be handed over, with its number.
+type Queued = (u64, Box<dyn FnOnce(&mut Feed) -> Handed + Send>);
+
 /// A [`Feed`] for a task on a tokio runtime that polls a rumqttc `AsyncClient`'s `EventLoop`: the same
 /// calls, awaited. A [`Feed`] blocks while its channel is full (back-pressure on the socket); this one hands
 /// each event over on tokio's blocking pool instead, so the runtime's threads never block, on a
 /// current-thread runtime too. Await each call before polling the event loop again: the next event waits
 /// for the previous one, so the commit thread sees them in the order they happened.
 ///
-/// The calls are cancel-safe: an event whose call was dropped (in a `select!`) is still handed over, ahead
-/// of the next. Build it with [`AsyncFeed::new`] from the feed [`ConsumerCore::spawn`] returns.
+/// The calls are cancel-safe: each takes its event when it is called, before its future is first polled,
+/// so an event whose call was dropped (in a `select!`, by a timeout), even unpolled, is still handed over,
+/// in order, ahead of the next call's. Each dropped call keeps its event in memory until then: a task that
+/// drops calls and polls the event loop anyway reads past the budget's back-pressure. Build it with
+/// [`AsyncFeed::new`] from the feed [`ConsumerCore::spawn`] returns.
 pub struct AsyncFeed {
     /// `None` while an event is being handed over.
     feed: Option<Feed>,
     gate: AckGate,
-    pending: Option<JoinHandle<(Feed, Handed)>>,
+    /// The event being handed over, and its number.
+    pending: Option<(u64, JoinHandle<(Feed, Handed)>)>,
+    /// Events taken by calls, not yet handed over, oldest first.
+    queued: VecDeque<Queued>,
+    /// The number of the last event taken.
+    taken: u64,
+    /// How many connection losses were taken: a CONNACK handed over after a loss taken behind it ends its
+    /// connection at the gate at once (see [`AsyncFeed::connected`]).
+    losses: Arc<AtomicU64>,
 }
 
 impl fmt::Debug for AsyncFeed {
@@ -41,6 +58,7 @@ impl fmt::Debug for AsyncFeed {
         f.debug_struct("AsyncFeed")
             .field("feed", &self.feed)
             .field("handing_over", &self.pending.is_some())
+            .field("queued", &self.queued.len())
             .finish()
     }
 }
@@ -58,132 +76,181 @@ impl AsyncFeed {
             gate: feed.gate().clone(),
             feed: Some(feed),
             pending: None,
+            queued: VecDeque::new(),
+            taken: 0,
+            losses: Arc::default(),
         }
     }
 
-    /// Runs `f` on the feed on the blocking pool, after the event still in flight, if any.
-    async fn hand(&mut self, f: impl FnOnce(&mut Feed) -> Handed + Send + 'static) -> Handed {
-        let _ = self.finish_pending().await;
-        let mut feed = self.feed.take().ok_or(FeedClosed)?;
-        self.pending = Some(spawn_blocking(move || {
-            let r = f(&mut feed);
-            (feed, r)
-        }));
-        self.finish_pending().await
+    /// Takes the event `f` now, and returns the wait for it to be handed over (after every event taken
+    /// before it) on the blocking pool, with its result.
+    fn hand(
+        &mut self,
+        f: impl FnOnce(&mut Feed) -> Handed + Send + 'static,
+    ) -> impl Future<Output = Handed> + Send + '_ {
+        self.taken += 1;
+        let number = self.taken;
+        self.queued.push_back((number, Box::new(f)));
+        self.hand_over(number)
     }
 
-    /// Waits for the event in flight (awaiting `&mut JoinHandle` is cancel-safe) and takes the feed back.
-    async fn finish_pending(&mut self) -> Handed {
-        let Some(handle) = self.pending.as_mut() else {
-            return Ok(None);
-        };
-        let joined = handle.await;
-        self.pending = None;
-        match joined {
-            Ok((feed, r)) => {
-                self.feed = Some(feed);
-                r
+    /// Hands the taken events over in order, up to and including event `number`; returns its result (the
+    /// results of earlier events, whose calls were dropped, go with them). Awaiting `&mut JoinHandle` is
+    /// cancel-safe: dropped meanwhile, the event in flight stays pending for the next call.
+    async fn hand_over(&mut self, number: u64) -> Handed {
+        loop {
+            if let Some((n, handle)) = self.pending.as_mut() {
+                let n = *n;
+                let joined = handle.await;
+                self.pending = None;
+                match joined {
+                    Ok((feed, r)) => {
+                        self.feed = Some(feed);
+                        if n >= number {
+                            return r;
+                        }
+                    }
+                    Err(e) => {
+                        resume_if_panic(e);
+                        // The runtime is shutting down: nothing more can be handed over.
+                        self.queued.clear();
+                        return Err(FeedClosed);
+                    }
+                }
+                continue;
             }
-            Err(e) => {
-                resume_if_panic(e);
-                // The runtime is shutting down: nothing more can be handed over.
-                Err(FeedClosed)
-            }
+            let Some((n, f)) = self.queued.pop_front() else {
+                // Handed over by an earlier wait.
+                return Ok(None);
+            };
+            let Some(mut feed) = self.feed.take() else {
+                self.queued.clear();
+                return Err(FeedClosed);
+            };
+            self.pending = Some((
+                n,
+                spawn_blocking(move || {
+                    let r = f(&mut feed);
+                    (feed, r)
+                }),
+            ));
         }
     }
 
     /// [`Feed::connected`]: a CONNACK arrived (rumqttc `Incoming::ConnAck`).
-    pub async fn connected(
+    ///
+    /// Handed over after the events before it, it may come after a loss of this very connection was already
+    /// taken (a call dropped, then the event loop failed): the connection is then ended at the gate at once,
+    /// so no ack of it can be queued in the client for the next one.
+    pub fn connected(
         &mut self,
         session_present: bool,
-    ) -> std::result::Result<ConnectionId, FeedClosed> {
-        let id = self
-            .hand(move |f| f.connected(session_present).map(Some))
-            .await?;
-        id.ok_or(FeedClosed)
+    ) -> impl Future<Output = std::result::Result<ConnectionId, FeedClosed>> + Send + '_ {
+        let losses = self.losses.clone();
+        let seen = losses.load(Ordering::SeqCst);
+        let gate = self.gate.clone();
+        let handed = self.hand(move |f| {
+            let id = f.connected(session_present)?;
+            // Read after the gate opened: a loss taken since either is seen here or ends the gate itself.
+            if losses.load(Ordering::SeqCst) != seen {
+                gate.lost(|| {});
+            }
+            Ok(Some(id))
+        });
+        async move { handed.await?.ok_or(FeedClosed) }
     }
 
     /// [`Feed::subscribed`]: the broker acknowledged the current connection's subscriptions.
-    pub async fn subscribed(&mut self) -> std::result::Result<(), FeedClosed> {
-        self.hand(|f| f.subscribed().map(|()| None)).await.map(drop)
+    pub fn subscribed(
+        &mut self,
+    ) -> impl Future<Output = std::result::Result<(), FeedClosed>> + Send + '_ {
+        let handed = self.hand(|f| f.subscribed().map(|()| None));
+        async move { handed.await.map(drop) }
     }
 
     /// [`Feed::publish`]: a publish for the inbox on the current connection (`packet_id`: `None` for QoS0).
-    pub async fn publish(
+    pub fn publish(
         &mut self,
         inbound: Inbound,
         packet_id: Option<u16>,
-    ) -> std::result::Result<(), FeedClosed> {
-        self.hand(move |f| f.publish(inbound, packet_id).map(|()| None))
-            .await
-            .map(drop)
+    ) -> impl Future<Output = std::result::Result<(), FeedClosed>> + Send + '_ {
+        let handed = self.hand(move |f| f.publish(inbound, packet_id).map(|()| None));
+        async move { handed.await.map(drop) }
     }
 
     /// [`Feed::publish_v5`]: an MQTT 5 publish for the inbox (rumqttc `v5::Incoming::Publish`).
-    pub async fn publish_v5(
+    pub fn publish_v5(
         &mut self,
         publish: rumqttc::v5::mqttbytes::v5::Publish,
-    ) -> std::result::Result<(), FeedClosed> {
-        self.hand(move |f| f.publish_v5(publish).map(|()| None))
-            .await
-            .map(drop)
+    ) -> impl Future<Output = std::result::Result<(), FeedClosed>> + Send + '_ {
+        let handed = self.hand(move |f| f.publish_v5(publish).map(|()| None));
+        async move { handed.await.map(drop) }
     }
 
     /// [`Feed::publish_v311`]: an MQTT 3.1.1 publish for the inbox.
-    pub async fn publish_v311(
+    pub fn publish_v311(
         &mut self,
         publish: rumqttc::Publish,
-    ) -> std::result::Result<(), FeedClosed> {
-        self.hand(move |f| f.publish_v311(publish).map(|()| None))
-            .await
-            .map(drop)
+    ) -> impl Future<Output = std::result::Result<(), FeedClosed>> + Send + '_ {
+        let handed = self.hand(move |f| f.publish_v311(publish).map(|()| None));
+        async move { handed.await.map(drop) }
     }
 
     /// [`Feed::pass_through`]: a QoS1 publish of another topic, handled by the application, acked in turn.
-    pub async fn pass_through(&mut self, packet_id: u16) -> std::result::Result<(), FeedClosed> {
-        self.hand(move |f| f.pass_through(packet_id).map(|()| None))
-            .await
-            .map(drop)
+    pub fn pass_through(
+        &mut self,
+        packet_id: u16,
+    ) -> impl Future<Output = std::result::Result<(), FeedClosed>> + Send + '_ {
+        let handed = self.hand(move |f| f.pass_through(packet_id).map(|()| None));
+        async move { handed.await.map(drop) }
     }
 
-    /// [`Feed::lost`]: the connection ended. `purge` runs at once, under the gate's lock, before the first
-    /// await: a call dropped before it returns (in a `select!`) has ended the connection at the gate all
-    /// the same, so no ack of it can be queued for the next one. Call it for every error `poll` returns, and
-    /// await it before polling again.
-    pub async fn lost(&mut self, purge: impl FnOnce()) -> std::result::Result<(), FeedClosed> {
+    /// [`Feed::lost`]: the connection ended. `purge` runs when this is called, under the gate's lock, before
+    /// the returned future is first polled: a call dropped before it returns (in a `select!`), even unpolled,
+    /// has ended the connection at the gate all the same, so no ack of it can be queued for the next one;
+    /// the commit thread is told in turn. Call it for every error `poll` returns, and await it before polling
+    /// again.
+    pub fn lost(
+        &mut self,
+        purge: impl FnOnce(),
+    ) -> impl Future<Output = std::result::Result<(), FeedClosed>> + Send + '_ {
+        self.losses.fetch_add(1, Ordering::SeqCst);
         self.gate.lost(purge);
+        self.tell_lost()
+    }
+
+    /// The rest of [`AsyncFeed::lost`], once the gate has ended the connection: tells the commit thread.
+    fn tell_lost(
+        &mut self,
+    ) -> impl Future<Output = std::result::Result<(), FeedClosed>> + Send + '_ {
         let gate = self.gate.clone();
-        self.lost_sent(move || gate.lost(|| {})).await
+        // Ends the gate again in turn: a CONNACK handed over meanwhile has ended it itself, and nothing of
+        // the connection after it has been handed over yet.
+        let handed = self.hand(move |f| {
+            gate.lost(|| {});
+            f.lost(|| {}).map(|()| None)
+        });
+        async move { handed.await.map(drop) }
     }
 
     /// [`AsyncFeed::lost`] for rumqttc's MQTT 5 `EventLoop` (what `AsyncClient::new` returns).
-    pub async fn lost_v5(
+    pub fn lost_v5(
         &mut self,
         eventloop: &mut rumqttc::v5::EventLoop,
-    ) -> std::result::Result<(), FeedClosed> {
+    ) -> impl Future<Output = std::result::Result<(), FeedClosed>> + Send + '_ {
+        self.losses.fetch_add(1, Ordering::SeqCst);
         self.gate.lost_v5(eventloop);
-        let gate = self.gate.clone();
-        self.lost_sent(|| gate.lost_v5(eventloop)).await
+        self.tell_lost()
     }
 
     /// [`AsyncFeed::lost`] for rumqttc's MQTT 3.1.1 `EventLoop`.
-    pub async fn lost_v311(
+    pub fn lost_v311(
         &mut self,
         eventloop: &mut rumqttc::EventLoop,
-    ) -> std::result::Result<(), FeedClosed> {
+    ) -> impl Future<Output = std::result::Result<(), FeedClosed>> + Send + '_ {
+        self.losses.fetch_add(1, Ordering::SeqCst);
         self.gate.lost_v311(eventloop);
-        let gate = self.gate.clone();
-        self.lost_sent(|| gate.lost_v311(eventloop)).await
-    }
-
-    /// After the gate has ended the connection: waits for the event in flight, ends the connection at the
-    /// gate again with `again` (a [`AsyncFeed::connected`] still in flight may have opened it meanwhile;
-    /// nothing of that connection was handed over yet, so nothing of it is lost), and tells the commit
-    /// thread.
-    async fn lost_sent(&mut self, again: impl FnOnce()) -> std::result::Result<(), FeedClosed> {
-        let _ = self.finish_pending().await;
-        again();
-        self.hand(|f| f.lost(|| {}).map(|()| None)).await.map(drop)
+        self.tell_lost()
     }
 
     /// The gate this feed keeps in step.
