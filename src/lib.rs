@@ -77,7 +77,8 @@
 //! | `Ok(Outcome::Duplicate)` | identity already committed with the same content; nothing ran | yes |
 //! | `Ok(Outcome::Conflict {..})` | same identity, *different* content: recorded in `conflicts`, not applied | yes |
 //! | `Ok(Outcome::HandlerFailed(e))` | your handler refused; effect and identity rolled back | by your policy |
-//! | `Err(Error::Busy / DiskFull / ReadOnly / Storage)` | nothing written | no; retry |
+//! | `Err(Error::Busy / DiskFull / ReadOnly)`, or `Storage` that [`Error::is_retryable`] (I/O, out of memory, cannot open, interrupted) | nothing written | no; retry |
+//! | `Err(Error::Storage)` otherwise (corruption, a statement error) | nothing written | no; retrying fails the same way: dead-letter it, then ack (the consumer core does) |
 //! | `Err(Error::CommitUnknown)` | COMMIT failed: may or may not be durable | no; the redelivery settles it |
 //! | `Err(Error::InvalidDelivery)` | bad input; nothing written | quarantine, then ack |
 //! | `Err(Error::DatabaseGone)` | the database file was deleted under the inbox; nothing durable | no; reopen |

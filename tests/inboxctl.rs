@@ -26,7 +26,8 @@ fn bump(tx: &mut Tx<'_>, d: &Delivery<'_>) -> anyhow::Result<()> {
 const ODD_SCOPE: &str = "odd \"scope\" C:\\gw\nline 2";
 
 /// A processed id with a duplicate and a conflict, a quarantined delivery, a dead letter, a pending message,
-/// and a second scope whose handler published two outbox messages.
+/// and a second scope whose handler published three outbox messages, one of them parked (as the relay parks a
+/// message the broker refused too many times).
 fn populate(path: &Path) -> Inbox {
     let mut inbox = Inbox::open(path, Config::default()).unwrap();
     // Stamped with a send time, as the relay's `sent-at` does: the identity horizon never prunes the identity
@@ -67,16 +68,24 @@ fn populate(path: &Path) -> Inbox {
     let p = Delivery::new(SCOPE, "evt-p", "orders/3", b"pending body").with_sent_at(sent);
     assert!(matches!(inbox.receive(&p).unwrap(), Outcome::Received));
     let o = Delivery::new("audit", "evt-1", "orders/1", b"{\"qty\":1}");
-    let publish_two = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
-        for topic in ["audit/a", "audit/b"] {
+    let publish_three = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
+        for topic in ["audit/a", "audit/b", "audit/refused"] {
             tx.publish(topic, d.payload, Qos::AtLeastOnce, &OutboxProperties::new())?;
         }
         Ok(())
     };
     assert!(matches!(
-        inbox.process(&o, publish_two).unwrap(),
+        inbox.process(&o, publish_three).unwrap(),
         Outcome::Processed
     ));
+    let parked = inbox
+        .connection()
+        .execute(
+            "UPDATE outbox SET state = 2 WHERE topic = 'audit/refused'",
+            [],
+        )
+        .unwrap();
+    assert_eq!(parked, 1);
     inbox
 }
 
@@ -113,8 +122,13 @@ fn stats_show_and_listings_agree_with_the_library() {
     }
     assert!(s["oldest_pending_age_secs"].is_u64(), "{s}");
     assert_eq!(scope(&stats, "audit")["processed"], 1);
+    // Parked is not pending: each row counts in one figure.
     assert_eq!(scope(&stats, "audit")["outbox_pending"], 2);
-    assert_eq!(s["outbox_pending"], 0);
+    assert_eq!(scope(&stats, "audit")["outbox_parked"], 1);
+    assert_eq!(
+        (&s["outbox_pending"], &s["outbox_parked"]),
+        (&0.into(), &0.into())
+    );
     assert!(stats["files"]["db_bytes"].as_u64().unwrap() > 0);
     assert!(
         stats["files"]["wal_bytes"].as_u64().unwrap() > 0,
@@ -138,6 +152,13 @@ fn stats_show_and_listings_agree_with_the_library() {
     let human = ok(&path, &["stats", "--scope", SCOPE]);
     assert!(human.contains("identities retained 3"), "{human}");
     assert!(!human.contains("audit"), "--scope filters: {human}");
+    let audit = ok(&path, &["stats", "--scope", "audit"]);
+    assert!(
+        audit.contains("outbox pending 2  outbox parked 1"),
+        "{audit}"
+    );
+    let lib_audit = lib.iter().find(|r| r.scope == "audit").unwrap();
+    assert_eq!((lib_audit.outbox_pending, lib_audit.outbox_parked), (2, 1));
 
     // One identity: hash, fingerprint of what was committed first, its conflict.
     let id = json(&path, &["show", "id", "--scope", SCOPE, "evt-1"]);
@@ -152,10 +173,30 @@ fn stats_show_and_listings_agree_with_the_library() {
     let pending = json(&path, &["show", "id", "--scope", SCOPE, "evt-p"]);
     assert_eq!(pending["message"]["state"], "pending");
     assert_eq!(pending["message"]["body_bytes"], "pending body".len());
-    let missing = json(&path, &["show", "id", "--scope", SCOPE, "never-sent"]);
+    // An identity with nothing recorded: its report, and exit code 1 (as for a seq with no message).
+    let not_found = |args: &[&str]| -> serde_json::Value {
+        let out = inboxctl(&path, args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("no identity recorded"),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if args[0] == "--json" {
+            serde_json::from_slice(&out.stdout).expect("one JSON document")
+        } else {
+            serde_json::Value::String(String::from_utf8(out.stdout).unwrap())
+        }
+    };
+    let missing = not_found(&["--json", "show", "id", "--scope", SCOPE, "never-sent"]);
     assert_eq!(missing["status"], "not-found");
+    let human = not_found(&["show", "id", "--scope", SCOPE, "never-sent"]);
+    assert!(
+        human.as_str().unwrap().contains("never-sent: not-found"),
+        "{human}"
+    );
     // Producer namespaces are part of the identity.
-    let without = json(&path, &["show", "id", "--scope", SCOPE, "evt-dl"]);
+    let without = not_found(&["--json", "show", "id", "--scope", SCOPE, "evt-dl"]);
     assert_eq!(without["status"], "not-found");
     let dl = json(
         &path,
@@ -246,6 +287,17 @@ fn usage_errors_exit_2_and_operational_errors_exit_1_without_creating_files() {
         Some(2)
     );
     assert_eq!(inboxctl(&path, &["stats", "--help"]).status.code(), Some(0));
+    // The long help is the tool's own text, exit codes included.
+    let help = inboxctl(&path, &["--help"]);
+    assert_eq!(help.status.code(), Some(0));
+    let help = String::from_utf8(help.stdout).unwrap();
+    assert!(
+        help.contains(
+            "Exit codes: 0 ok, 1 operational error (cannot open, check failed, not found, busy), 2 usage \
+             error."
+        ),
+        "{help}"
+    );
 
     let missing = dir.path().join("typo.db");
     for args in [
@@ -443,6 +495,11 @@ const SCOPE_FAMILIES: &[(&str, PrometheusType, &str)] = &[
         PrometheusType::Gauge,
         "outbox_pending",
     ),
+    (
+        "edge_inbox_outbox_parked",
+        PrometheusType::Gauge,
+        "outbox_parked",
+    ),
 ];
 
 /// One sample of a parsed exposition.
@@ -602,10 +659,16 @@ fn stats_in_prometheus_format_carry_the_json_figures() {
     }
     assert_eq!(
         parsed.len(),
-        11 * 3 - 2 + 2 + 2,
+        12 * 3 - 2 + 2 + 2,
         "every sample accounted for"
     );
-    assert_eq!(text.matches("# TYPE ").count(), 15, "one family per figure");
+    assert_eq!(text.matches("# TYPE ").count(), 16, "one family per figure");
+    assert_eq!(
+        sample(&parsed, "edge_inbox_outbox_parked", Some("audit"))
+            .unwrap()
+            .value,
+        1.0
+    );
 
     // --json and --format disagreeing is a usage error.
     let both = inboxctl(&path, &["--json", "stats", "--format", "prometheus"]);
@@ -722,6 +785,17 @@ fn times_are_rfc3339_for_people_and_unix_seconds_beside_them_in_json() {
         assert!(when.contains(&unix), "{command}: {unix} in {when:?}");
         let rfc = rows[0][field].as_str().unwrap();
         assert_eq!(unix_of(rfc), unix, "{command}");
+        if command != "dead-letters" {
+            // A record's last arrival too: RFC 3339, its stored value beside it.
+            let last = rows[0]["last_at_unix"]
+                .as_i64()
+                .unwrap_or_else(|| panic!("last_at_unix in {}", rows[0]));
+            assert!(last >= unix && when.contains(&last), "{command}: {last}");
+            let last_rfc = rows[0]["last_at"]
+                .as_str()
+                .unwrap_or_else(|| panic!("last_at as RFC 3339 in {}", rows[0]));
+            assert_eq!(unix_of(last_rfc), last, "{command}");
+        }
         let human = ok(&path, &[command]);
         assert!(human.contains(line_has), "{human}");
         assert!(human.contains(&format!(" at {rfc}")), "{command}: {human}");

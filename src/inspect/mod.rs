@@ -81,8 +81,13 @@ pub struct ScopeReport {
     pub watermark_producers: u64,
     /// Stored message rows in any state.
     pub messages_stored: u64,
-    /// Outbox messages this scope's handlers committed that the relay has not yet had acknowledged.
+    /// Outbox messages this scope's handlers committed that wait for the relay to publish them and the broker
+    /// to acknowledge them; parked messages are not among them (`outbox_parked`).
     pub outbox_pending: u64,
+    /// Outbox messages of this scope parked: refused by the broker too many times, or ones it cannot take
+    /// (over its maximum packet size, say). Kept, not sent, until
+    /// [`Inbox::requeue_parked_outbox`](crate::Inbox::requeue_parked_outbox).
+    pub outbox_parked: u64,
 }
 
 /// Sizes of the database files on disk, in bytes (0 for a file that does not exist).
@@ -487,8 +492,14 @@ pub fn stats(conn: &Connection, scope: Option<&str>) -> Result<Vec<ScopeReport>>
                 count("SELECT count(*) FROM identities WHERE scope_id = ?1 AND day < 0")?;
             rep.watermark_producers = count("SELECT count(*) FROM watermarks WHERE scope_id = ?1")?;
             rep.messages_stored = count("SELECT count(*) FROM messages WHERE scope_id = ?1")?;
-            rep.outbox_pending =
-                count("SELECT count(*) FROM outbox WHERE scope_id = ?1 AND state = 0")?;
+            let (outbox_pending, outbox_parked) = conn
+                .prepare_cached(
+                    "SELECT count(*) FILTER (WHERE state = 0), count(*) FILTER (WHERE state = 2) \
+                     FROM outbox WHERE scope_id = ?1",
+                )?
+                .query_row([id], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
+            rep.outbox_pending = u(outbox_pending);
+            rep.outbox_parked = u(outbox_parked);
             out.push(rep);
         }
         Ok(out)

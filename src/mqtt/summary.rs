@@ -8,8 +8,11 @@
 pub struct RunSummary {
     /// Publishes received (QoS0 and QoS1).
     pub received: u64,
-    /// PUBACKs written to the broker connection (with [`ConsumerCore`](crate::ConsumerCore) alone: acks
-    /// handed back).
+    /// PUBACKs sent. In what [`Consumer::run`](crate::Consumer::run) returns, those written to the broker
+    /// connection; while a run goes on, and from a core on its commit thread
+    /// ([`ConsumerCore::spawn`](crate::ConsumerCore::spawn)), those queued with the MQTT client through the
+    /// [`AckGate`](crate::AckGate). A core whose acks the application takes with
+    /// [`ConsumerCore::pop_ack`](crate::ConsumerCore::pop_ack) counts none: it stays 0.
     pub acked: u64,
     /// Deliveries whose effect was committed.
     pub processed: u64,

@@ -231,8 +231,9 @@ impl Config {
         self.outbox_producer.as_deref()
     }
 
-    /// Log a warning (`log` crate, target `edge_inbox::inbox`) for every `COMMIT` that takes at least this long:
-    /// a sign of a slow or failing flash device, or of a checkpoint competing for the disk. `None` turns it off.
+    /// Log a warning (`log` crate, target `edge_inbox::store::txn`) for every `COMMIT` that takes at least
+    /// this long: a sign of a slow or failing flash device, or of a checkpoint competing for the disk. `None`
+    /// turns it off.
     /// Default 1 s. Costs one clock read per commit.
     pub fn slow_commit_warning(mut self, threshold: Option<Duration>) -> Self {
         self.slow_commit = threshold;

@@ -137,11 +137,17 @@ pub enum Error {
     InvalidDelivery(InvalidDelivery),
     /// A state value could not be encoded to or decoded from CBOR.
     Codec(String),
-    /// An argument given to the inbox is invalid (e.g. an empty scope name in a query).
+    /// An argument given to the inbox is invalid (e.g. an empty scope name in a query, a topic filter that
+    /// is not valid MQTT, another connection setting refused before connecting), or a request cannot be
+    /// carried out as made (a consumer's or relay's thread that cannot be started, a relay on MQTT 3.1.1, a
+    /// refused schema downgrade). `Consumer::run` also returns it when an idle limit
+    /// (`Consumer::exit_when_idle`) passes before any connection to the broker succeeded.
     InvalidArgument(String),
-    /// The MQTT connection cannot succeed by retrying (the broker refused the credentials or the client id,
-    /// TLS material that does not parse or a certificate rejected, a subscription refused or granted only
-    /// at QoS0), or never succeeded in time.
+    /// The first MQTT connection of a run failed in a way retrying cannot heal: the broker refused the
+    /// credentials or the client id, TLS material does not parse or a certificate was rejected, or a
+    /// subscription was refused or granted only at QoS0 before the run was ever granted it. A broker that is
+    /// merely unreachable is retried; an idle-bounded run that never connected ends with
+    /// [`Error::InvalidArgument`] instead.
     Connection(String),
     /// The inbox's transaction ended while a handler ran: the handler ran `COMMIT` or `ROLLBACK` through
     /// [`Tx::sql`](crate::Tx::sql), or SQLite rolled it back by itself (a trigger's `RAISE(ROLLBACK)`,

@@ -26,7 +26,7 @@ use serde::Serialize;
 ///
 /// Exit codes: 0 ok, 1 operational error (cannot open, check failed, not found, busy), 2 usage error.
 #[derive(Parser, Debug)]
-#[command(name = "inboxctl", version, about, long_about = None)]
+#[command(name = "inboxctl", version)]
 struct Cli {
     /// Path of the inbox database file.
     #[arg(short, long, env = "EDGE_INBOX_DB", global = true)]
@@ -41,7 +41,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Per-scope counters, backlog, dead letters, identities retained, outbox backlog, and file sizes.
+    /// Per-scope counters, backlog, dead letters, identities retained, outbox backlog (pending and parked),
+    /// and file sizes.
     Stats {
         /// Only this scope.
         #[arg(long)]
@@ -55,6 +56,8 @@ enum Command {
         output: Option<PathBuf>,
     },
     /// One identity (scope + optional producer + message id) or one stored message (by seq).
+    ///
+    /// Exit code 1 when nothing is recorded under it (an identity's report is printed all the same).
     Show {
         #[command(subcommand)]
         what: Show,
@@ -493,8 +496,13 @@ fn stats_text(doc: &StatsDoc) -> String {
         );
         let _ = writeln!(
             out,
-            "  sequence conflicts {}  identities without send time {} (never pruned)  re-dated {}  outbox pending {}",
-            s.sequence_conflicts, s.identities_undated, s.identities_restamped, s.outbox_pending
+            "  sequence conflicts {}  identities without send time {} (never pruned)  re-dated {}  \
+             outbox pending {}  outbox parked {}",
+            s.sequence_conflicts,
+            s.identities_undated,
+            s.identities_restamped,
+            s.outbox_pending,
+            s.outbox_parked
         );
     }
     if doc.scopes.is_empty() {
@@ -536,6 +544,16 @@ fn show(cli: &Cli, path: &Path, what: &Show) -> anyhow::Result<ExitCode> {
                 if rep.conflicts > 0 {
                     println!("  {} conflict(s) recorded", rep.conflicts);
                 }
+            }
+            // A requested row that does not exist: the report says what was looked up, the exit code that
+            // nothing is recorded under it.
+            if rep.status == "not-found" {
+                eprintln!(
+                    "inboxctl: no identity recorded for {} in scope {}",
+                    producer_prefix(rep.producer.as_deref()) + &rep.message_id,
+                    rep.scope
+                );
+                return Ok(ExitCode::from(1));
             }
             Ok(ExitCode::SUCCESS)
         }

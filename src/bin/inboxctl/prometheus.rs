@@ -74,8 +74,14 @@ const SCOPE_FAMILIES: &[(&str, &str, &str, Figure)] = &[
     (
         "edge_inbox_outbox_pending",
         "gauge",
-        "Outbox messages committed by the scope's handlers and not yet acknowledged by the broker.",
+        "Outbox messages committed by the scope's handlers and not yet acknowledged by the broker, parked ones not included.",
         |s| Some(s.outbox_pending),
+    ),
+    (
+        "edge_inbox_outbox_parked",
+        "gauge",
+        "Outbox messages parked: refused by the broker too many times, or ones it cannot take; kept, not sent until requeued.",
+        |s| Some(s.outbox_parked),
     ),
 ];
 

@@ -6,6 +6,7 @@ use serde_json::{Map, Value};
 /// with the stored number as `<name>_unix`.
 const SECONDS: &[&str] = &[
     "at",
+    "last_at",
     "sent_at",
     "received_at",
     "finished_at",
@@ -79,6 +80,7 @@ mod tests {
         assert_eq!(rfc3339_ms(1_123_456_789_250), "2005-08-07T23:19:49.25Z");
         let v = in_json(json!({
             "at": 86_400,
+            "last_at": 172_800,
             "finished_at": null,
             "message": {"received_at": 1_123_456_789, "lease_until_ms": 1_123_456_789_250_i64},
             "rows": [{"as_of": 0}],
@@ -89,6 +91,8 @@ mod tests {
             json!({
                 "at": "1970-01-02T00:00:00Z",
                 "at_unix": 86_400,
+                "last_at": "1970-01-03T00:00:00Z",
+                "last_at_unix": 172_800,
                 "finished_at": null,
                 "finished_at_unix": null,
                 "message": {
