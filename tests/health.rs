@@ -341,6 +341,60 @@ fn an_invalid_topic_filter_is_refused_before_connecting() {
     assert_eq!(c.stats().snapshot().summary.connections, 0);
 }
 
+/// Settings rumqttc would panic on, a host the lookup would fail on for ever, and settings that would give up
+/// the persistent session without a word: each refused before connecting, naming what is wrong.
+#[test]
+fn bad_connection_settings_are_refused_before_connecting_not_panicked_on_or_retried() {
+    let port = broker::free_port();
+    let good = || MqttConfig::new("127.0.0.1", port, "health-settings").subscribe("orders/#");
+    let cases: Vec<(MqttConfig, &str)> = vec![
+        (good().keep_alive(Duration::ZERO), "keep-alive"),
+        (good().keep_alive(Duration::from_secs(2)), "keep-alive"),
+        (good().keep_alive(Duration::from_millis(5500)), "keep-alive"),
+        (good().keep_alive(Duration::from_secs(70_000)), "keep-alive"),
+        (
+            good()
+                .protocol(edge_inbox::Protocol::V311)
+                .keep_alive(Duration::from_millis(500)),
+            "keep-alive",
+        ),
+        (
+            MqttConfig::new("127.0.0.1", port, "").subscribe("orders/#"),
+            "empty client id",
+        ),
+        (
+            MqttConfig::new("127.0.0.1", port, "")
+                .protocol(edge_inbox::Protocol::V311)
+                .subscribe("orders/#"),
+            "empty client id",
+        ),
+        (MqttConfig::new("127.0.0.1", port, "gw\0x"), "client id"),
+        (good().session_expiry(0), "session expiry 0"),
+        (MqttConfig::new("mqtt://127.0.0.1", port, "h"), "no scheme"),
+        (MqttConfig::new("127.0.0.1:1883", port, "h"), "IPv6"),
+        (MqttConfig::new("::1", port, "h"), "brackets"),
+        (MqttConfig::new("", port, "h"), "host"),
+        (good().subscribe("orders/\0x"), "topic filter"),
+        (good().subscribe("o".repeat(70_000)), "topic filter"),
+    ];
+    for (mqtt, expected) in cases {
+        let shown = format!("{mqtt:?}");
+        let dir = tempfile::tempdir().unwrap();
+        let inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+        let mut c = Consumer::new(inbox, SCOPE, mqtt).exit_when_idle(Duration::from_secs(5));
+        let run =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.run(inventory_handler)));
+        match run {
+            Ok(Err(edge_inbox::Error::InvalidArgument(why))) => {
+                assert!(why.contains(expected), "{shown}: {why}")
+            }
+            Ok(other) => panic!("{shown}: {other:?}"),
+            Err(_) => panic!("{shown}: panicked"),
+        }
+        assert_eq!(c.stats().snapshot().summary.connections, 0, "{shown}");
+    }
+}
+
 #[test]
 fn a_broker_that_dies_gives_a_lost_event_with_its_cause_then_a_new_connection() {
     let mut broker = Broker::start();
@@ -459,4 +513,40 @@ fn a_core_told_of_a_new_connection_first_ends_the_old_one_in_its_events() {
     assert_eq!(s.connection, None);
     assert_eq!(s.last_lost_cause.as_deref(), Some("socket closed"));
     assert_eq!(s.summary.connections, 2);
+}
+
+/// Two consumers given the same client id: the broker drops each one's connection as the other connects.
+/// Each connection ends soon after its CONNACK, so the backoff must keep growing across them instead of
+/// starting over at every CONNACK (which made ten connections a second, for ever).
+#[test]
+fn connections_the_broker_drops_soon_after_connack_back_off() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = consumer(&broker, &dir.path().join("a.db"), "health-twin");
+    let mut b = consumer(&broker, &dir.path().join("b.db"), "health-twin");
+    let (stop_a, stop_b) = (a.stop_handle(), b.stop_handle());
+    let (stats_a, stats_b) = (a.stats(), b.stats());
+    let watch = Duration::from_secs(8);
+    std::thread::scope(|scope| {
+        let _stop_a = StopOnDrop(stop_a.clone());
+        let _stop_b = StopOnDrop(stop_b.clone());
+        let run_a = scope.spawn(|| a.run(inventory_handler));
+        let run_b = scope.spawn(|| b.run(inventory_handler));
+        std::thread::sleep(watch);
+        stop_a.stop();
+        stop_b.stop();
+        run_a.join().unwrap().unwrap();
+        run_b.join().unwrap().unwrap();
+    });
+    let (na, nb) = (
+        stats_a.snapshot().summary.connections,
+        stats_b.snapshot().summary.connections,
+    );
+    // Doubling from 100 ms up to 5 s: about seven attempts each in 8 s; starting over at every CONNACK,
+    // 40 or more each.
+    assert!(
+        na >= 2 && nb >= 2,
+        "the twins did not take turns: {na} and {nb} connections"
+    );
+    assert!(na + nb <= 24, "{na} and {nb} connections in {watch:?}");
 }

@@ -173,6 +173,65 @@ impl MqttConfig {
         self.inflight
     }
 
+    /// Refuses settings the broker or rumqttc would reject later, or that would silently give up the
+    /// persistent session the inbox relies on (`session`: the consumer's; the relay keeps its messages in
+    /// the outbox and needs none), with [`Error::InvalidArgument`] naming the setting, before connecting.
+    pub(crate) fn check(&self, session: bool) -> Result<(), Error> {
+        let bad = |why: String| Err(Error::InvalidArgument(why));
+        let host = self.host.as_str();
+        if host.is_empty()
+            || host.contains("://")
+            || host.chars().any(|c| c.is_whitespace() || c == '/')
+        {
+            return bad(format!(
+                "broker host {host:?}: give a host name or an IP address alone (no scheme, path or port)"
+            ));
+        }
+        // rumqttc joins host and port with a colon: a bare IPv6 address needs its brackets.
+        if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+            return bad(format!(
+                "broker host {host:?}: write an IPv6 address in brackets ([::1]), and the port apart"
+            ));
+        }
+        let id = self.client_id.as_str();
+        if id.is_empty() && session {
+            return bad(
+                "an empty client id: the broker would assign a new one, and a new session, at every \
+                 connection, so deliveries left unacked at a disconnect would never be redelivered"
+                    .into(),
+            );
+        }
+        if id.len() > 65_535 || id.contains('\0') {
+            return bad(format!(
+                "client id {:?}: at most 65,535 bytes of UTF-8 without NUL",
+                crate::store::records::cut(id, 64)
+            ));
+        }
+        let secs = self.keep_alive.as_secs();
+        if self.keep_alive.subsec_nanos() != 0 || !(5..=65_535).contains(&secs) {
+            return bad(format!(
+                "keep-alive {:?}: whole seconds from 5 s to 65,535 s",
+                self.keep_alive
+            ));
+        }
+        if session && self.protocol == Protocol::V5 && self.session_expiry == 0 {
+            return bad(
+                "session expiry 0: the broker would drop the session at a disconnect, with the deliveries \
+                 it holds for the consumer"
+                    .into(),
+            );
+        }
+        for t in self.topics.iter().filter(|_| session) {
+            if t.is_empty() || t.len() > 65_535 || t.contains('\0') || !rumqttc::valid_filter(t) {
+                return bad(format!(
+                    "{:?} is not a valid MQTT topic filter",
+                    crate::store::records::cut(t, 64)
+                ));
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) fn transport(&self) -> Transport {
         match &self.tls {
             None => Transport::Tcp,
@@ -239,7 +298,7 @@ pub(crate) fn start(
     // committing, so the room it frees in the budget keeps this thread polling, which drains the channel.
     let cap = REQUEST_CHANNEL;
     let topics = config.topics.clone();
-    let name = format!("mqtt-poll-{}", config.client_id);
+    let name = thread_name("mqtt-poll-", &config.client_id);
     // TCP_NODELAY on both protocols: a committed batch's PUBACKs are written back to back, and with Nagle's
     // algorithm every one after the first would wait for the broker host's TCP ACK of the first, which a
     // quiet broker delays by up to 40 ms. The last batch before a pause paid that in full.
@@ -295,6 +354,13 @@ pub(crate) fn start(
     }
 }
 
+/// A thread's name: `prefix` and `tail`, without the NUL a thread name cannot hold.
+pub(crate) fn thread_name(prefix: &str, tail: &str) -> String {
+    let mut name = String::from(prefix);
+    name.extend(tail.chars().filter(|&c| c != '\0'));
+    name
+}
+
 /// Sleeps `d` in small steps, returning early when stopping.
 fn nap(d: Duration, stop: &AtomicBool) {
     let step = Duration::from_millis(20);
@@ -306,11 +372,48 @@ fn nap(d: Duration, stop: &AtomicBool) {
     }
 }
 
-fn backoff_next(b: Duration) -> Duration {
-    (b * 2).min(Duration::from_secs(5))
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+/// How long a connection must have lasted for its end to start the backoff over: one that a broker drops
+/// soon after its CONNACK (a filter it refuses by closing, a client id another client takes over, a packet
+/// too large to read) ends each time again, and reconnecting at the first delay would loop ten times a second.
+const STABLE_CONNECTION: Duration = Duration::from_secs(10);
+
+/// The wait before the next connection attempt: doubles up to 5 s after each failure, and starts over
+/// after a connection that lasted [`STABLE_CONNECTION`].
+#[derive(Debug)]
+struct Backoff {
+    delay: Duration,
+    /// When the current connection's CONNACK arrived.
+    connected_at: Option<std::time::Instant>,
 }
 
-const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+impl Backoff {
+    fn new() -> Backoff {
+        Backoff {
+            delay: FIRST_BACKOFF,
+            connected_at: None,
+        }
+    }
+
+    fn connected(&mut self) {
+        self.connected_at = Some(std::time::Instant::now());
+    }
+
+    /// The connection (or the attempt) ended: the delay to wait now.
+    fn ended(&mut self) -> Duration {
+        if self
+            .connected_at
+            .take()
+            .is_some_and(|t| t.elapsed() >= STABLE_CONNECTION)
+        {
+            self.delay = FIRST_BACKOFF;
+        }
+        let d = self.delay;
+        self.delay = (d * 2).min(Duration::from_secs(5));
+        d
+    }
+}
 
 /// How long a stopping poll thread keeps writing what was queued before it (the last PUBACKs, then the
 /// DISCONNECT) before giving up on the connection.
@@ -446,7 +549,7 @@ fn after_error(
     connected_once: bool,
     failure: Failure,
     max_packet: u32,
-    backoff: &mut Duration,
+    backoff: &mut Backoff,
 ) -> bool {
     let Failure {
         permanent,
@@ -469,9 +572,9 @@ fn after_error(
              must refuse such messages itself (mosquitto: message_size_limit); or raise max_packet_size"
         );
     }
-    log::warn!("connection to the broker lost or refused: {shown}; retrying in {backoff:?}");
-    nap(*backoff, closing);
-    *backoff = backoff_next(*backoff);
+    let delay = backoff.ended();
+    log::warn!("connection to the broker lost or refused: {shown}; retrying in {delay:?}");
+    nap(delay, closing);
     // Asked to stop meanwhile: nothing is left to say on a new connection.
     !closing.load(Ordering::SeqCst)
 }
@@ -520,8 +623,6 @@ fn granted_v5(code: &p5::SubscribeReasonCode) -> Result<(), String> {
 struct Subscriptions {
     /// A SUBACK granted every filter in this run.
     granted_once: bool,
-    /// The latest SUBACK did not: the backoff keeps growing across the reconnects that follow.
-    refused: bool,
 }
 
 /// What the poll thread does after a SUBACK.
@@ -545,9 +646,9 @@ impl Subscriptions {
         reason: Option<&str>,
         again: &Again<'_>,
         lose: impl FnOnce(&mut Feed) -> std::result::Result<(), FeedClosed>,
-        backoff: &mut Duration,
+        backoff: &mut Backoff,
     ) -> bool {
-        match self.answered(feed, again.closing, refused, reason, backoff) {
+        match self.answered(feed, again.closing, refused, reason) {
             AfterSuback::Go => true,
             AfterSuback::Reconnect(why) => again.after_refusal(feed, lose, why, backoff),
             AfterSuback::End => false,
@@ -578,14 +679,9 @@ impl Subscriptions {
         closing: &AtomicBool,
         refused: Vec<String>,
         reason: Option<&str>,
-        backoff: &mut Duration,
     ) -> AfterSuback {
         if refused.is_empty() {
-            if self.refused {
-                // The backoff grew over the refusals: the next ordinary loss starts from the first again.
-                *backoff = FIRST_BACKOFF;
-            }
-            (self.granted_once, self.refused) = (true, false);
+            self.granted_once = true;
             return match feed.subscribed() {
                 Ok(()) => AfterSuback::Go,
                 Err(_) => AfterSuback::End,
@@ -602,7 +698,6 @@ impl Subscriptions {
             log::debug!("while stopping, {why}");
             return AfterSuback::Go;
         }
-        self.refused = true;
         if self.granted_once {
             log::error!("{why}; connecting again");
             return AfterSuback::Reconnect(why);
@@ -629,7 +724,7 @@ impl Again<'_> {
         feed: &mut Feed,
         lose: impl FnOnce(&mut Feed) -> std::result::Result<(), FeedClosed>,
         why: String,
-        backoff: &mut Duration,
+        backoff: &mut Backoff,
     ) -> bool {
         if lose(feed.because(&why)).is_err() {
             return false;
@@ -659,12 +754,9 @@ fn poll_v4(
     max_packet: u32,
 ) {
     use rumqttc::{Event as E, Outgoing, Packet};
-    let mut backoff = FIRST_BACKOFF;
+    let mut backoff = Backoff::new();
     let mut stopping_since = None;
     let mut connected_once = false;
-    // The last connection ended over a packet too large to read: the broker sends it again at once, so
-    // the backoff keeps growing across such connections instead of reconnecting ten times a second.
-    let mut refused_oversize = false;
     let mut subscriptions = Subscriptions::default();
     loop {
         let next = next_event(&mut stopping_since, &closing, |wait| match wait {
@@ -674,9 +766,7 @@ fn poll_v4(
         let Some(next) = next else { return };
         match next {
             Ok(E::Incoming(Packet::ConnAck(ack))) => {
-                if !refused_oversize && !subscriptions.refused {
-                    backoff = FIRST_BACKOFF;
-                }
+                backoff.connected();
                 connected_once = true;
                 let Ok(c) = feed.connected(ack.session_present) else {
                     return;
@@ -733,7 +823,6 @@ fn poll_v4(
                 if feed.because(&e).lost_v311(&mut conn.eventloop).is_err() {
                     return;
                 }
-                refused_oversize = oversize_v4(&e).is_some();
                 let failure = Failure {
                     permanent: v4_permanent(&e),
                     oversize: oversize_v4(&e),
@@ -764,12 +853,9 @@ fn poll_v5(
 ) {
     use rumqttc::v5::{Event as E, Incoming as Packet};
     use rumqttc::Outgoing;
-    let mut backoff = FIRST_BACKOFF;
+    let mut backoff = Backoff::new();
     let mut stopping_since = None;
     let mut connected_once = false;
-    // The last connection ended over a packet too large to read: the broker sends it again at once, so
-    // the backoff keeps growing across such connections instead of reconnecting ten times a second.
-    let mut refused_oversize = false;
     let mut subscriptions = Subscriptions::default();
     loop {
         let next = next_event(&mut stopping_since, &closing, |wait| match wait {
@@ -779,9 +865,7 @@ fn poll_v5(
         let Some(next) = next else { return };
         match next {
             Ok(E::Incoming(Packet::ConnAck(ack))) => {
-                if !refused_oversize && !subscriptions.refused {
-                    backoff = FIRST_BACKOFF;
-                }
+                backoff.connected();
                 connected_once = true;
                 let Ok(c) = feed.connected(ack.session_present) else {
                     return;
@@ -841,7 +925,6 @@ fn poll_v5(
                 if feed.because(&e).lost_v5(&mut conn.eventloop).is_err() {
                     return;
                 }
-                refused_oversize = oversize_v5(&e).is_some();
                 let failure = Failure {
                     permanent: v5_permanent(&e),
                     oversize: oversize_v5(&e),

@@ -210,18 +210,16 @@ impl Consumer {
     /// Connection trouble is retried with backoff once a connection has succeeded, storage errors too
     /// (for at most [`Consumer::storage_retry_limit`]). `Err` when the poll thread cannot be started, when
     /// the first connection fails in a way retrying cannot heal (the broker refuses the credentials or the
-    /// client id, TLS material that does not parse or a certificate the other side rejects), when a topic
-    /// filter is not valid MQTT ([`Error::InvalidArgument`], before connecting), when the broker refuses a
+    /// client id, TLS material that does not parse or a certificate the other side rejects), when a setting
+    /// is refused before connecting ([`Error::InvalidArgument`]: a topic filter that is not valid MQTT, a
+    /// host with a scheme or a port in it, an empty client id or a session expiry of 0, which would give up
+    /// the persistent session, a keep-alive outside 5 s to 65,535 s), when the broker refuses a
     /// filter or grants it only at QoS0 before it granted the subscription once in this run
     /// ([`Error::Connection`]: such deliveries are never acked nor redelivered; refused after a grant, the
     /// consumer connects again), when an idle limit passes without any connection, or when storage keeps
     /// failing.
     pub fn run<H: Handler>(&mut self, mut handler: H) -> Result<RunSummary> {
-        if let Some(bad) = self.mqtt.topics.iter().find(|t| !rumqttc::valid_filter(t)) {
-            return Err(Error::InvalidArgument(format!(
-                "{bad:?} is not a valid MQTT topic filter"
-            )));
-        }
+        self.mqtt.check(true)?;
         let mut mqtt = self.mqtt.clone();
         if !mqtt.inflight_set {
             mqtt.inflight =

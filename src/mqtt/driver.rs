@@ -668,7 +668,7 @@ impl ConsumerCore {
         let (feed, rx) = channel(gate.clone(), budget.clone());
         let waker = feed.waker();
         let handle = std::thread::Builder::new()
-            .name(format!("inbox-commit-{}", core.scope))
+            .name(crate::mqtt::conn::thread_name("inbox-commit-", &core.scope))
             .spawn(move || {
                 let window = usize::from(window.max(1));
                 let ran = Driver::new(

@@ -163,20 +163,25 @@ impl Relay {
     /// port, client id, credentials, TLS; subscriptions are ignored). Returns at once; the thread connects,
     /// retries with backoff and publishes until [`Relay::stop`].
     ///
-    /// Errors: [`Error::InvalidArgument`] for MQTT 3.1.1, or when the thread cannot be started.
+    /// Errors: [`Error::InvalidArgument`] for MQTT 3.1.1 or a host, client id or keep-alive the consumer
+    /// would refuse too ([`Consumer::run`](crate::Consumer::run)), or when the thread cannot be started.
     pub fn start_with(inbox: Inbox, mqtt: MqttConfig, config: RelayConfig) -> Result<Relay> {
         if mqtt.protocol != Protocol::V5 {
             return Err(Error::InvalidArgument(
                 "the outbox relay needs MQTT 5 (the message id travels in a user property)".into(),
             ));
         }
+        mqtt.check(false)?;
         let stop = StopHandle::default();
         let stats = Arc::new(Mutex::new(RelayStats::default()));
         let thread = {
             let stop = stop.clone();
             let stats = stats.clone();
             std::thread::Builder::new()
-                .name(format!("outbox-relay-{}", mqtt.client_id))
+                .name(crate::mqtt::conn::thread_name(
+                    "outbox-relay-",
+                    &mqtt.client_id,
+                ))
                 .spawn(move || {
                     RelayLoop {
                         inbox,
@@ -294,7 +299,10 @@ impl Link {
         let poller = {
             let stop = stop.clone();
             std::thread::Builder::new()
-                .name(format!("relay-poll-{}", mqtt.client_id))
+                .name(crate::mqtt::conn::thread_name(
+                    "relay-poll-",
+                    &mqtt.client_id,
+                ))
                 .spawn(move || poll(conn, tx, stop))?
         };
         Ok(Link {
