@@ -399,3 +399,162 @@ fn an_identity_given_back_to_an_open_body_is_counted_as_not_processed() {
     assert!(matches!(inbox.receive(&y).unwrap(), Outcome::Duplicate));
     assert_eq!(rows_and_offset(&inbox), (rows + 2, offset + 2), "receive");
 }
+
+/// Identity rows of `scope`.
+fn identity_rows(inbox: &edge_inbox::Inbox, scope: &str) -> i64 {
+    inbox
+        .connection()
+        .query_row(
+            "SELECT count(*) FROM identities WHERE scope_id = (SELECT id FROM scopes WHERE name = ?1)",
+            [scope],
+            |r| r.get(0),
+        )
+        .unwrap()
+}
+
+/// Runs a worker on `scope` until nothing is claimable; the messages it processed.
+fn drain_scope(path: &std::path::Path, scope: &str) -> usize {
+    let mut worker = Worker::new(open(path), scope, WorkerConfig::default()).unwrap();
+    let mut processed = 0;
+    until("drain", std::time::Duration::from_secs(60), || {
+        let d = worker.run_once(&mut count_effect).unwrap();
+        processed += d.processed;
+        d.claimed == 0
+    });
+    processed
+}
+
+/// In a scope with sequence watermarks the watermark window is the identity of a numbered message, received
+/// or dead-lettered by the strong-case path alike: applying them adds no identity row (the scope stays
+/// O(producers)), and every redelivery after that, under its sequence or without one, is a duplicate.
+#[test]
+fn draining_a_watermark_scope_adds_no_identity_rows_and_redeliveries_stay_duplicates() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = open(&path);
+    inbox
+        .set_retention(SCOPE, &RetentionPolicy::new().sequence_watermarks(1))
+        .unwrap();
+    let ids: Vec<String> = (1..=20).map(|i| format!("evt-{i}")).collect();
+    let unnumbered = |i: u64| {
+        let id = ids[i as usize - 1].as_str();
+        Delivery::new(SCOPE, id, "orders/1", id.as_bytes()).with_producer("p")
+    };
+    let numbered = |i: u64| unnumbered(i).with_sequence(i);
+    // Out of order (20 waits as an exception), and 7 dead-lettered by the strong-case path, then requeued.
+    for i in std::iter::once(20).chain(1..20) {
+        let outcome = if i == 7 {
+            inbox.dead_letter(&numbered(i), "refused").unwrap()
+        } else {
+            inbox.receive(&numbered(i)).unwrap()
+        };
+        assert!(outcome.may_ack(), "sequence {i}: {outcome:?}");
+    }
+    assert_eq!(inbox.requeue_dead_letters(SCOPE).unwrap(), 1);
+    assert_eq!(drain_scope(&path, SCOPE), 20);
+    assert_eq!(
+        identity_rows(&inbox, SCOPE),
+        0,
+        "the watermark is the identity"
+    );
+    let mark = inbox.watermark(SCOPE, "p").unwrap();
+    assert_eq!((mark.high, mark.exceptions.len()), (Some(20), 0));
+    assert_eq!(inbox.scope_stats(SCOPE).unwrap().processed, 20);
+
+    for i in 1..=20 {
+        let outcome = inbox.receive(&numbered(i)).unwrap();
+        assert!(matches!(outcome, Outcome::Duplicate), "{i}: {outcome:?}");
+        let outcome = inbox.process(&numbered(i), count_effect).unwrap();
+        assert!(matches!(outcome, Outcome::Duplicate), "{i}: {outcome:?}");
+        let outcome = inbox.receive(&unnumbered(i)).unwrap();
+        assert!(matches!(outcome, Outcome::Duplicate), "{i}: {outcome:?}");
+    }
+    assert_eq!(effects(&inbox), (20, 20, 1));
+    assert_eq!(identity_rows(&inbox, SCOPE), 0);
+}
+
+/// The identity a worker does give back in a watermark scope: a body that outlived its sequence's place in
+/// the window is held by nothing else, so it gets an identity row, and a redelivery under a new sequence or
+/// without one is still a duplicate once it is applied.
+#[test]
+fn a_body_past_the_watermark_window_keeps_its_identity_through_the_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = open(&path);
+    inbox
+        .set_retention(SCOPE, &RetentionPolicy::new().sequence_watermarks(1))
+        .unwrap();
+    let ids: Vec<String> = (1..=200).map(|i| format!("m{i}")).collect();
+    for (i, id) in (1..=200u64).zip(&ids) {
+        let d = Delivery::new(SCOPE, id, "orders/1", b"z")
+            .with_producer("p")
+            .with_sequence(i);
+        assert!(matches!(inbox.receive(&d).unwrap(), Outcome::Received));
+    }
+    assert_eq!(drain_scope(&path, SCOPE), 200);
+    // Sequences up to 200 - 128 left the window before they were applied.
+    let outside = 200 - edge_inbox::SEQUENCE_WINDOW as i64;
+    assert_eq!(identity_rows(&inbox, SCOPE), outside);
+    let again = Delivery::new(SCOPE, "m1", "orders/1", b"z").with_producer("p");
+    assert!(matches!(
+        inbox.receive(&again.with_sequence(201)).unwrap(),
+        Outcome::Duplicate
+    ));
+    assert!(matches!(inbox.receive(&again).unwrap(), Outcome::Duplicate));
+    assert_eq!(effects(&inbox), (200, 200, 1));
+}
+
+/// Dated numbered deliveries in a watermark scope with an identity horizon: applied by a worker, they leave
+/// the horizon nothing to prune, so the scope records no `pruned_before` and a new, out-of-order sequence is
+/// taken as new, exactly as in a scope where the strong case processed the same traffic.
+#[test]
+fn a_drained_watermark_scope_gives_the_identity_horizon_nothing_to_prune() {
+    const DAY: i64 = 86_400;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = open(&path);
+    let strong = "strong-case";
+    let policy = RetentionPolicy::new()
+        .sequence_watermarks(1)
+        .identity_horizon(std::time::Duration::from_secs(DAY as u64));
+    for scope in [SCOPE, strong] {
+        inbox.set_retention(scope, &policy).unwrap();
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let ids: Vec<(String, String)> = (1..=5)
+        .map(|i| (format!("deferred-{i}"), format!("strong-{i}")))
+        .collect();
+    let numbered = |scope: &'static str, i: u64| {
+        let (deferred, strong) = &ids[i as usize - 1];
+        let id = if scope == SCOPE { deferred } else { strong };
+        Delivery::new(scope, id, "orders/1", b"{}")
+            .with_producer("p")
+            .with_sequence(i)
+            .with_sent_at(now)
+    };
+    for i in 1..=3 {
+        assert!(matches!(
+            inbox.receive(&numbered(SCOPE, i)).unwrap(),
+            Outcome::Received
+        ));
+        assert!(matches!(
+            inbox.process(&numbered(strong, i), count_effect).unwrap(),
+            Outcome::Processed
+        ));
+    }
+    assert_eq!(drain_scope(&path, SCOPE), 3);
+    inbox
+        .prune(&edge_inbox::Pruning::default().as_of(now + 3 * DAY))
+        .unwrap();
+    // Sequence 5 was never seen (4 is still to come).
+    let outcome = inbox.process(&numbered(strong, 5), count_effect).unwrap();
+    assert!(matches!(outcome, Outcome::Processed), "{outcome:?}");
+    let outcome = inbox.receive(&numbered(SCOPE, 5)).unwrap();
+    assert!(matches!(outcome, Outcome::Received), "{outcome:?}");
+    for scope in [SCOPE, strong] {
+        assert_eq!(inbox.pruned_before(scope).unwrap(), None, "{scope}");
+    }
+}

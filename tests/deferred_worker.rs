@@ -764,3 +764,70 @@ fn a_refused_commit_costs_the_message_at_fault_an_attempt_not_the_worker_its_run
         (9, 3, 1)
     );
 }
+
+/// A dead letter requeued while a worker holds the lease on a later message of its key still runs first: the
+/// later claim gives its lease back at commit instead of being applied (no attempt consumed, claimable again
+/// at once, so nothing waits for the lease to expire), and the key is applied in arrival order, each once.
+#[test]
+fn a_dead_letter_requeued_while_a_later_message_of_its_key_is_leased_runs_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let mut inbox = open(&path);
+    // `ordered_effect` reads the key from the id and the position within it from the payload.
+    for (id, n) in [("k-1", "0"), ("k-2", "1")] {
+        let d = Delivery::new(SCOPE, id, "t", n.as_bytes());
+        assert!(matches!(
+            inbox.receive_ordered(&d, Some("K")).unwrap(),
+            Outcome::Received
+        ));
+    }
+    let mut a = worker(&path, WorkerConfig::default().max_attempts(1));
+    let mut b = worker(&path, WorkerConfig::default());
+    let ids = |claims: &[edge_inbox::Claim]| {
+        claims
+            .iter()
+            .map(|c| c.message_id().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let first = a.claim(10).unwrap();
+    assert_eq!(ids(&first), ["k-1"]);
+    let done = a
+        .complete(&first, &mut |_: &mut Tx<'_>, _: &Delivery<'_>| {
+            anyhow::bail!("poison")
+        })
+        .unwrap();
+    assert!(
+        matches!(done[..], [Completion::DeadLettered { .. }]),
+        "{done:?}"
+    );
+    // The dead letter stops blocking its key: worker A takes k-2. Then the operator requeues k-1.
+    let held = a.claim(10).unwrap();
+    assert_eq!(ids(&held), ["k-2"]);
+    assert_eq!(inbox.requeue_dead_letters(SCOPE).unwrap(), 1);
+    let taken = b.claim(10).unwrap();
+    assert_eq!(ids(&taken), ["k-1"]);
+
+    // A commits first: k-2 must not be applied before the open, earlier k-1.
+    let done_a = a.complete(&held, &mut ordered_effect).unwrap();
+    let done_b = b.complete(&taken, &mut ordered_effect).unwrap();
+    let drained = drain(&mut a, &mut ordered_effect);
+    let violations: i64 = inbox
+        .connection()
+        .query_row("SELECT count(*) FROM violations", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(violations, 0, "k-2 was applied before k-1");
+    assert_eq!(effects(&inbox), (2, 2, 1));
+    assert!(matches!(done_a[..], [Completion::LeaseLost]), "{done_a:?}");
+    assert!(matches!(done_b[..], [Completion::Processed]), "{done_b:?}");
+    assert_eq!(drained.processed, 1);
+    assert_eq!(states(&inbox), [0, 2, 0, 0]);
+    let attempts: i64 = inbox
+        .connection()
+        .query_row(
+            "SELECT attempts FROM messages WHERE message_id = 'k-2'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(attempts, 0, "giving way is not a failure");
+}

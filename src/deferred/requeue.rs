@@ -52,11 +52,12 @@ impl Inbox {
 
     /// Puts every dead letter of `scope` back to pending with its attempts reset, in one transaction, and
     /// returns how many. They keep their arrival position (`seq`), so for an order key a requeued message runs
-    /// before later messages of the same key that are still open. Dead letters whose payload was pruned cannot
-    /// be processed and stay where they are. `last_error` is kept for reference until the next failure.
+    /// before later messages of the same key that are still open (one a worker already claimed gives its
+    /// lease back at commit and follows). Dead letters whose payload was pruned cannot be processed and stay
+    /// where they are. `last_error` is kept for reference until the next failure.
     ///
     /// This also covers rows dead-lettered by the strong-case path ([`Inbox::process`] callers), since the
-    /// worker restores the identity when it applies them.
+    /// worker restores the identity when it applies them (unless a sequence watermark holds it).
     pub fn requeue_dead_letters(&mut self, scope: &str) -> Result<usize> {
         self.requeue_where(
             "UPDATE messages SET state = 0, attempts = 0, not_before = 0, lease_owner = NULL, lease_until = NULL, \

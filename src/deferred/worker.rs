@@ -8,6 +8,10 @@
 //! The write lock makes check and commit one step, so a message's effect commits at most once, and a worker that
 //! dies leaves a lease that expires and is claimed again: at least once. Together: exactly once in effect.
 //!
+//! Per order key, the claim takes a message only when no earlier one of its key is open, and the commit
+//! checks that again: a dead letter requeued while a later message of its key is leased is open and earlier,
+//! so the later one gives its lease back instead of being applied first, and is claimed again after it.
+//!
 //! The claim transaction commits without an fsync of its own (`synchronous=NORMAL` for that one transaction):
 //! a claim lost to a power cut only makes its messages claimable again, and the next durable commit on the file
 //! syncs the claim's WAL frames with its own. This saves one of the two fsyncs per batch.
@@ -220,7 +224,9 @@ pub enum Completion {
         attempts: u32,
     },
     /// The lease expired or was taken over by another worker before this commit: nothing ran, nothing was
-    /// committed for this message (whoever holds it now will apply it).
+    /// committed for this message (whoever holds it now will apply it). Also when an earlier message of its
+    /// order key became open again meanwhile (a requeued dead letter): the lease is given back and the
+    /// message is claimed again once that one is done.
     LeaseLost,
 }
 
@@ -374,9 +380,10 @@ impl Worker {
     /// [`Completion`] per claim in input order.
     ///
     /// For each claim, inside the transaction: the row is marked processed *only if* it is still open and leased
-    /// to this claim with an unexpired lease (else [`Completion::LeaseLost`] and the handler does not run); the
-    /// identity is ensured; the handler runs. A handler failure rolls back its own effect and state change and
-    /// records the failure (backoff or dead letter) instead.
+    /// to this claim with an unexpired lease, and no earlier message of its order key is open (else
+    /// [`Completion::LeaseLost`] and the handler does not run; in the latter case the lease is given back);
+    /// the identity is ensured; the handler runs. A handler failure rolls back its own effect and state
+    /// change and records the failure (backoff or dead letter) instead.
     ///
     /// A `COMMIT` refused by a deferred constraint of the application's tables (a deferred foreign key, say;
     /// as in [`Inbox::process_batch`](crate::Inbox::process_batch)) or a handler that ended the transaction
@@ -754,36 +761,66 @@ fn apply_claims<H: Handler>(
         }
         applied += 1;
         conn.savepoint()?;
+        // An earlier message of the same order key may have become open again since the claim (a requeued
+        // dead letter): it runs first, so this one is not applied now (the claim alone cannot see that).
         let owned = conn
             .prepare_cached(
                 "UPDATE messages SET state = 1, finished_at = ?4, lease_owner = NULL, lease_until = NULL \
-                 WHERE seq = ?1 AND lease_owner = ?2 AND claims = ?3 AND state IN (0, 2) AND lease_until >= ?5",
+                 WHERE seq = ?1 AND lease_owner = ?2 AND claims = ?3 AND state IN (0, 2) \
+                   AND lease_until >= ?5 AND (order_key IS NULL OR NOT EXISTS ( \
+                     SELECT 1 FROM messages e WHERE e.scope_id = messages.scope_id \
+                       AND e.order_key = messages.order_key AND e.state IN (0, 2) AND e.seq < messages.seq))",
             )?
             .execute((c.seq, owner, c.token, now, now_ms))?;
         if owned != 1 {
             release(conn)?;
-            log::info!(
-                "scope {scope}: lease on message {} (seq {}) lost; not applied here",
-                c.message_id,
-                c.seq
-            );
+            // Still ours with a live lease: it gave way to an earlier message of its key. The lease goes back
+            // at once, so it is claimed again as soon as that one is done, not only once the lease expires.
+            let gave_way = conn
+                .prepare_cached(
+                    "UPDATE messages SET lease_owner = NULL, lease_until = NULL \
+                     WHERE seq = ?1 AND lease_owner = ?2 AND claims = ?3 AND state IN (0, 2) \
+                       AND lease_until >= ?4",
+                )?
+                .execute((c.seq, owner, c.token, now_ms))?;
+            if gave_way == 1 {
+                log::info!(
+                    "scope {scope}: message {} (seq {}) waits for an earlier open message of its order key; \
+                     lease given back, not applied here",
+                    c.message_id,
+                    c.seq
+                );
+            } else {
+                log::info!(
+                    "scope {scope}: lease on message {} (seq {}) lost; not applied here",
+                    c.message_id,
+                    c.seq
+                );
+            }
             out.push(Completion::LeaseLost);
             continue;
         }
         let d = c.delivery(scope);
-        // A body moved here by a dead-letter path may lack its identity (a failed strong-case attempt rolls it
-        // back): restore it, so a redelivery after this commit is a duplicate.
+        // A body moved here by a dead-letter path may lack its identity (a failed strong-case attempt
+        // rolls it back): restore it, so a redelivery after this commit is a duplicate. Not when a sequence
+        // claim in the watermark window holds the id (every numbered body of a watermark scope, received or
+        // dead-lettered, until the window slides past it): a redelivery finds it there under any sequence,
+        // and a row per message would grow a scope meant to cost O(producers) and, pruned, set
+        // `pruned_before`.
         let day = crate::inbox::stored_day(conn, now, c.sent_at.is_some());
-        let restored = conn
-            .prepare_cached(
+        let restored = if held_by_sequence(conn, scope_id, c)? {
+            0
+        } else {
+            conn.prepare_cached(
                 "INSERT OR IGNORE INTO identities (scope_id, id_hash, fingerprint, day) VALUES (?1, ?2, ?3, ?4)",
             )?
             .execute((
-            scope_id,
-            c.id_hash.as_bytes(),
-            Fingerprint::of(&c.topic, &c.payload).to_sql(),
-            day,
-        ))?;
+                scope_id,
+                c.id_hash.as_bytes(),
+                Fingerprint::of(&c.topic, &c.payload).to_sql(),
+                day,
+            ))?
+        };
         if restored == 0 && day >= 0 {
             // The horizon counts from the day the effect is committed: once processed, the body no longer holds
             // the identity back (see `schema.sql`), and a message that waited days (retries, a requeued dead
@@ -822,6 +859,19 @@ fn apply_claims<H: Handler>(
     )?
     .execute((scope_id, processed, failures, dead, rows))?;
     Ok(applied)
+}
+
+/// Whether the identity of claim `c` is held by a sequence claim in its scope's watermark window
+/// (`watermark_recent`, looked up by id as `retention/watermark.rs` does, since a known id may have claimed
+/// another sequence than the one the body carries). Only a numbered message can be held there; any other body
+/// was stored under an identity row.
+fn held_by_sequence(conn: &Db, scope_id: i64, c: &Claim) -> Result<bool> {
+    if c.producer.is_none() || c.sequence.is_none() {
+        return Ok(false);
+    }
+    Ok(conn
+        .prepare_cached("SELECT 1 FROM watermark_recent WHERE scope_id = ?1 AND id_hash = ?2")?
+        .exists((scope_id, c.id_hash.as_bytes()))?)
 }
 
 /// Records a failed attempt at claim `c`, inside the caller's transaction, which owns its row: back to
