@@ -290,15 +290,15 @@ fn records_quote_what_a_publisher_sent_only_up_to_a_bound() {
     let (core, summary) = commits.join();
     assert_eq!(summary.unwrap().quarantined, 1);
 
-    // An envelope whose id is half a megabyte, twice on sequence 5 with two bodies.
-    let (mut feed, commits) = ConsumerCore::new(core.into_inbox(), SCOPE)
-        .extractor(Envelope::default())
-        .spawn(effect, client, 20)
-        .unwrap();
+    // An envelope whose id is half a megabyte, twice on sequence 5 with two bodies; then another message
+    // on the same sequence (a sequence conflict).
+    let mut core = ConsumerCore::new(core.into_inbox(), SCOPE).extractor(Envelope::default());
+    let events = core.events(16);
+    let (mut feed, commits) = core.spawn(effect, client, 20).unwrap();
     feed.connected(false).unwrap();
     let long_id = "i".repeat(500_000);
-    for body in [b"a", b"b"] {
-        let payload = Envelope::new(&long_id, body.to_vec())
+    for (id, body) in [(&*long_id, b"a"), (&*long_id, b"b"), ("short", b"c")] {
+        let payload = Envelope::new(id, body.to_vec())
             .producer("shop-1")
             .seq(5)
             .encode();
@@ -309,8 +309,28 @@ fn records_quote_what_a_publisher_sent_only_up_to_a_bound() {
     let summary = summary.unwrap();
     assert_eq!(
         (summary.quarantined, summary.conflicts, summary.duplicates),
-        (1, 1, 0),
+        (2, 1, 0),
         "{summary:?}"
+    );
+    // One event per delivery, the sequence conflict's too; the ids in them are cut as the records are.
+    let outcomes: Vec<_> = std::iter::from_fn(|| events.try_recv())
+        .filter_map(|e| match e {
+            edge_inbox::HealthEvent::Delivery {
+                message_id,
+                outcome,
+                ..
+            } => Some((message_id.map_or(0, |m| m.len()), outcome)),
+            _ => None,
+        })
+        .collect();
+    use edge_inbox::Settled;
+    assert_eq!(
+        outcomes,
+        [
+            (4096, Settled::Quarantined),
+            (4096, Settled::Conflict),
+            (5, Settled::Quarantined)
+        ]
     );
 
     let inbox = core.into_inbox();
@@ -321,7 +341,7 @@ fn records_quote_what_a_publisher_sent_only_up_to_a_bound() {
             .unwrap()
             .unwrap_or(0)
     };
-    assert_eq!(longest("SELECT count(*) FROM quarantine"), 2);
+    assert_eq!(longest("SELECT count(*) FROM quarantine"), 3);
     assert_eq!(longest("SELECT count(*) FROM conflicts"), 1);
     assert!(longest("SELECT max(length(CAST(reason AS BLOB))) FROM quarantine") <= 1024);
     assert!(longest("SELECT max(length(CAST(topic AS BLOB))) FROM quarantine") <= 4096);

@@ -789,7 +789,7 @@ impl ConsumerCore {
             Outcome::Processed => Settled::Processed,
             Outcome::Duplicate => Settled::Duplicate,
             Outcome::Conflict { .. } => Settled::Conflict,
-            Outcome::Expired { .. } => Settled::Quarantined,
+            Outcome::Expired { .. } | Outcome::SequenceConflict { .. } => Settled::Quarantined,
             Outcome::Received => Settled::Stored,
             // Handler failures are counted where they are retried.
             _ => return,

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use crate::mqtt::gate::ConnectionId;
 use crate::mqtt::summary::RunSummary;
+use crate::store::records::{cut, MAX_RECORD_TEXT};
 
 /// What became of one delivery, as a [`HealthEvent::Delivery`] tells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,7 +22,8 @@ pub enum Settled {
     Duplicate,
     /// Its identity was already committed with other content: recorded as a conflict, not applied.
     Conflict,
-    /// No identity, a malformed envelope, over a limit, or expired: kept in quarantine.
+    /// No identity, a malformed envelope, over a limit, expired, or a sequence another message claimed:
+    /// kept in quarantine.
     Quarantined,
     /// Stored as pending (receive-only mode), for a worker to apply.
     Stored,
@@ -73,7 +75,8 @@ pub enum HealthEvent {
         connection: ConnectionId,
         /// The scope it was committed in.
         scope: Arc<str>,
-        /// Its message id; `None` for one quarantined for lack of an identity.
+        /// Its message id, its first 4 KiB for a longer one (quarantined over the id limit); `None` for one
+        /// quarantined for lack of an identity.
         message_id: Option<String>,
         /// What became of it.
         outcome: Settled,
@@ -266,7 +269,9 @@ impl Health {
         let event = HealthEvent::Delivery {
             connection: connection.unwrap_or(ConnectionId(0)),
             scope: self.scope.clone(),
-            message_id: message_id.map(str::to_owned),
+            // Cut as the records are: a publisher's over-limit id must not be held whole in every event the
+            // application has not read yet (the channel is bounded by count, not bytes).
+            message_id: message_id.map(|m| cut(m, MAX_RECORD_TEXT).to_owned()),
             outcome,
         };
         self.batch.push((self.ticket, event));

@@ -27,7 +27,8 @@ pub struct RunSummary {
     pub failed_attempts: u64,
     /// Deliveries moved to the dead letters after the last attempt.
     pub dead_lettered: u64,
-    /// Deliveries quarantined (no identity, malformed envelope, over a limit).
+    /// Deliveries quarantined (no identity, malformed envelope, over a limit, expired, a sequence another
+    /// message claimed).
     pub quarantined: u64,
     /// Storage errors met (each retried; nothing acked on their account).
     pub storage_errors: u64,
