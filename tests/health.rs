@@ -550,3 +550,52 @@ fn connections_the_broker_drops_soon_after_connack_back_off() {
     );
     assert!(na + nb <= 24, "{na} and {nb} connections in {watch:?}");
 }
+
+/// A QoS 2 delivery (an application's own connection subscribed at QoS 2, or a session kept with such a
+/// subscription) ends the run with an error that says so, unanswered and uncommitted: a PUBACK for it would
+/// break the protocol, and the broker would drop the connection and send it again, for ever.
+#[test]
+fn a_qos2_delivery_ends_the_run_with_an_error_instead_of_a_wrong_ack() {
+    use rumqttc::v5::mqttbytes::v5::Publish;
+    use rumqttc::v5::mqttbytes::QoS;
+
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    let sent = common::SentAcks::default();
+    let (mut feed, commits) = edge_inbox::ConsumerCore::new(inbox, SCOPE)
+        .spawn(inventory_handler, sent.clone(), 20)
+        .unwrap();
+    feed.connected(false).unwrap();
+    let mut first = Publish::new(
+        "orders/1",
+        QoS::AtLeastOnce,
+        order(1, "A-1", 1, "created"),
+        None,
+    );
+    first.pkid = 1;
+    first.properties = Some(rumqttc::v5::mqttbytes::v5::PublishProperties {
+        user_properties: vec![("message-id".into(), "evt-1".into())],
+        ..Default::default()
+    });
+    let mut second = first.clone();
+    second.qos = QoS::ExactlyOnce;
+    second.pkid = 2;
+    second.properties = Some(rumqttc::v5::mqttbytes::v5::PublishProperties {
+        user_properties: vec![("message-id".into(), "evt-2".into())],
+        ..Default::default()
+    });
+    feed.publish_v5(first).unwrap();
+    let _ = feed.publish_v5(second);
+    drop(feed);
+    let (mut core, result) = commits.join();
+    match result {
+        Err(edge_inbox::Error::InvalidArgument(why)) => assert!(why.contains("QoS 2"), "{why}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        !sent.all().contains(&2),
+        "the QoS 2 delivery was answered with a PUBACK"
+    );
+    let stats = core.inbox().scope_stats(SCOPE).unwrap();
+    assert!(stats.processed <= 1, "{stats:?}");
+}

@@ -177,7 +177,8 @@ impl Feed {
         })
     }
 
-    /// A publish for the inbox, received on the current connection (`packet_id`: `None` for QoS0).
+    /// A publish for the inbox, received on the current connection at QoS 1 (`packet_id`: `None` for QoS 0;
+    /// never a QoS 2 one, see [`Feed::publish_v5`]).
     pub fn publish(
         &mut self,
         inbound: Inbound,
@@ -191,23 +192,44 @@ impl Feed {
         })
     }
 
-    /// An MQTT 5 publish for the inbox (rumqttc `Incoming::Publish`).
+    /// An MQTT 5 publish for the inbox (rumqttc `Incoming::Publish`), at QoS 1 or 0.
+    ///
+    /// A QoS 2 one (a subscription made at QoS 2) ends the run with [`Error::InvalidArgument`], unanswered:
+    /// a PUBACK would break the protocol (the broker drops the connection and sends it again, for ever),
+    /// and rumqttc forgets the QoS 2 flows it answered at a reconnect, so the broker's PUBREL of one would
+    /// then fail the new connection. Subscribe at QoS 1; the broker sends it again once the run is restarted.
     pub fn publish_v5(
         &mut self,
         publish: rumqttc::v5::mqttbytes::v5::Publish,
     ) -> std::result::Result<(), FeedClosed> {
-        let packet_id =
-            (publish.qos != rumqttc::v5::mqttbytes::QoS::AtMostOnce).then_some(publish.pkid);
+        use rumqttc::v5::mqttbytes::QoS;
+        if publish.qos == QoS::ExactlyOnce {
+            return self.refuse_exactly_once(&String::from_utf8_lossy(&publish.topic));
+        }
+        let packet_id = (publish.qos != QoS::AtMostOnce).then_some(publish.pkid);
         self.publish(Inbound::from(publish), packet_id)
     }
 
-    /// An MQTT 3.1.1 publish for the inbox.
+    /// An MQTT 3.1.1 publish for the inbox, at QoS 1 or 0 (QoS 2: see [`Feed::publish_v5`]).
     pub fn publish_v311(
         &mut self,
         publish: rumqttc::Publish,
     ) -> std::result::Result<(), FeedClosed> {
+        if publish.qos == rumqttc::QoS::ExactlyOnce {
+            return self.refuse_exactly_once(&publish.topic);
+        }
         let packet_id = (publish.qos != rumqttc::QoS::AtMostOnce).then_some(publish.pkid);
         self.publish(Inbound::from(publish), packet_id)
+    }
+
+    fn refuse_exactly_once(&self, topic: &str) -> std::result::Result<(), FeedClosed> {
+        let why = format!(
+            "a QoS 2 delivery on topic {:?}: the inbox answers QoS 1 deliveries after their commit; subscribe \
+             at QoS 1 (a session kept with a QoS 2 subscription: subscribe the same filter again at QoS 1)",
+            crate::store::records::cut(topic, 256)
+        );
+        log::error!("{why}");
+        self.fail(Error::InvalidArgument(why))
     }
 
     /// A QoS1 publish of the same connection that the inbox does not handle (another subscription): the
@@ -224,7 +246,8 @@ impl Feed {
         })
     }
 
-    /// Ends the run with `error`: a connection that cannot succeed by retrying.
+    /// Ends the run with `error`: a connection that cannot succeed by retrying, or a subscription the inbox
+    /// cannot serve.
     pub(crate) fn fail(&self, error: Error) -> std::result::Result<(), FeedClosed> {
         self.send(Event::Failed(error))
     }
