@@ -599,3 +599,40 @@ fn a_qos2_delivery_ends_the_run_with_an_error_instead_of_a_wrong_ack() {
     let stats = core.inbox().scope_stats(SCOPE).unwrap();
     assert!(stats.processed <= 1, "{stats:?}");
 }
+
+/// A core given a new gate (as a commit loop does when it starts) drops the acks it still held of the old
+/// gate's connection: the new gate numbers its connections from the first again, so they would pass its
+/// check on the new connection, where the same packet ids name other messages.
+#[test]
+fn acks_held_from_an_old_gate_are_not_sent_through_a_new_one() {
+    use edge_inbox::{AckGate, ConsumerCore, Inbound};
+
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    let old = AckGate::new();
+    let mut core = ConsumerCore::new(inbox, SCOPE).gate(old.clone());
+    let first = old.connected();
+    core.connected(first, false);
+    let payload = order(1, "A-1", 1, "created").into_bytes();
+    core.push(
+        first,
+        Inbound::new("orders/1", payload).with_user_property("message-id", "evt-1"),
+        Some(7),
+    );
+    let mut handler = inventory_handler;
+    while core.unsettled() > 0 {
+        core.settle(&mut handler).unwrap();
+    }
+    let new = AckGate::new();
+    let mut core = core.gate(new.clone());
+    assert_eq!(
+        new.connected(),
+        first,
+        "the new gate's first connection has the same id"
+    );
+    assert_eq!(
+        core.pop_ack(),
+        None,
+        "an ack of the old gate's connection is still held"
+    );
+}

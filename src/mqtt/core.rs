@@ -254,11 +254,16 @@ impl ConsumerCore {
     /// The gate the acks go through: while storage retries, the core checks it and gives up on a batch
     /// whose connection has ended (nothing of it may be acked any more).
     pub fn gate(mut self, gate: AckGate) -> Self {
-        self.gate = Some(gate);
+        self.set_gate(gate);
         self
     }
 
+    /// A new gate numbers its connections from the first again: what the core still holds of a connection
+    /// of the gate before (a core given back by a commit loop that ended with acks unsent) must not be
+    /// taken for a connection of the new one, where the same packet ids name other messages.
     pub(crate) fn set_gate(&mut self, gate: AckGate) {
+        self.connection = None;
+        self.drop_held("the core was given a new ack gate");
         self.gate = Some(gate);
     }
 
