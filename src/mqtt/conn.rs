@@ -109,6 +109,12 @@ impl MqttConfig {
     /// again with growing backoff. While it is granted,
     /// [`ConsumerStats::subscribed`](crate::ConsumerStats::subscribed) is true. Without any filter the
     /// consumer subscribes to nothing and takes what the broker's kept session delivers.
+    ///
+    /// The session keeps a filter until it is unsubscribed, so the inbox file records the filters each
+    /// client id subscribed: one removed from the configuration is unsubscribed on every connection, and a
+    /// delivery none of the configured filters covers (one the session had queued for it) is quarantined
+    /// ([`InvalidDelivery::NotSubscribed`](crate::InvalidDelivery::NotSubscribed)), never handed to the
+    /// handler.
     pub fn subscribe(mut self, filter: impl Into<String>) -> Self {
         self.topics.push(filter.into());
         self
@@ -292,6 +298,7 @@ pub(crate) fn start(
     config: &MqttConfig,
     feed: Feed,
     closing: Arc<AtomicBool>,
+    unsubscribe: Vec<String>,
 ) -> std::io::Result<(Client, JoinHandle<()>)> {
     // rumqttc's request channel carries our PUBACKs: 216 bytes each, and its queue keeps the largest size
     // it reached. When it is full the commit loop keeps the acks (runs of packet ids) and goes on
@@ -319,9 +326,9 @@ pub(crate) fn start(
             net.set_tcp_nodelay(true);
             conn.eventloop.set_network_options(net);
             let sub = client.clone();
-            let handle = std::thread::Builder::new()
-                .name(name)
-                .spawn(move || poll_v4(conn, sub, topics, feed, closing, max_packet))?;
+            let handle = std::thread::Builder::new().name(name).spawn(move || {
+                poll_v4(conn, sub, topics, unsubscribe, feed, closing, max_packet)
+            })?;
             Ok((Client::V4(client), handle))
         }
         Protocol::V5 => {
@@ -346,9 +353,9 @@ pub(crate) fn start(
             }
             let (client, conn) = rumqttc::v5::Client::new(o, cap);
             let sub = client.clone();
-            let handle = std::thread::Builder::new()
-                .name(name)
-                .spawn(move || poll_v5(conn, sub, topics, feed, closing, max_packet))?;
+            let handle = std::thread::Builder::new().name(name).spawn(move || {
+                poll_v5(conn, sub, topics, unsubscribe, feed, closing, max_packet)
+            })?;
             Ok((Client::V5(client), handle))
         }
     }
@@ -749,6 +756,7 @@ fn poll_v4(
     mut conn: rumqttc::Connection,
     client: rumqttc::Client,
     topics: Vec<String>,
+    unsubscribe: Vec<String>,
     mut feed: Feed,
     closing: Arc<AtomicBool>,
     max_packet: u32,
@@ -776,6 +784,12 @@ fn poll_v4(
                     ack.session_present,
                     c.0
                 );
+                // Before subscribing: a kept session may still hold a filter removed from the configuration.
+                for f in &unsubscribe {
+                    if let Err(e) = client.try_unsubscribe(f.clone()) {
+                        log::warn!("could not queue the unsubscription of {f:?}: {e}");
+                    }
+                }
                 // Always: a kept session may lack a filter added to the configuration since.
                 let filters = topics
                     .iter()
@@ -847,6 +861,7 @@ fn poll_v5(
     mut conn: rumqttc::v5::Connection,
     client: rumqttc::v5::Client,
     topics: Vec<String>,
+    unsubscribe: Vec<String>,
     mut feed: Feed,
     closing: Arc<AtomicBool>,
     max_packet: u32,
@@ -875,6 +890,12 @@ fn poll_v5(
                     ack.session_present,
                     c.0
                 );
+                // Before subscribing: a kept session may still hold a filter removed from the configuration.
+                for f in &unsubscribe {
+                    if let Err(e) = client.try_unsubscribe(f.clone()) {
+                        log::warn!("could not queue the unsubscription of {f:?}: {e}");
+                    }
+                }
                 // Always: a kept session may lack a filter added to the configuration since.
                 let filters = topics
                     .iter()

@@ -13,6 +13,7 @@ use crate::mqtt::conn::{self as mqtt_conn, MqttConfig, Protocol};
 use crate::mqtt::core::ConsumerCore;
 pub use crate::mqtt::core::{RunSummary, StopHandle};
 use crate::mqtt::driver::{self, Driver, End, STOP_WAIT};
+use crate::mqtt::dropped_filters::dropped_filters;
 use crate::mqtt::extract::{Envelope, ExtractIdentity, UserProperty};
 use crate::mqtt::gate::AckGate;
 use crate::mqtt::health::{HealthEvents, StatsHandle};
@@ -241,9 +242,21 @@ impl Consumer {
         let (feed, rx) = driver::channel(gate.clone(), budget.clone());
         let waker = feed.waker();
         let closing = Arc::new(AtomicBool::new(false));
-        let (client, poller) = mqtt_conn::start(&mqtt, feed, closing.clone()).map_err(|e| {
-            Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}"))
-        })?;
+        self.core.filters = mqtt.topics.clone();
+        let dropped = match dropped_filters(self.core.inbox(), &mqtt.client_id, &mqtt.topics) {
+            Ok(dropped) => dropped,
+            Err(e) => {
+                log::warn!("cannot read the filters subscribed before ({e}); none is unsubscribed");
+                Vec::new()
+            }
+        };
+        if !dropped.is_empty() {
+            log::info!("unsubscribing filters no longer configured: {dropped:?}");
+        }
+        let (client, poller) =
+            mqtt_conn::start(&mqtt, feed, closing.clone(), dropped).map_err(|e| {
+                Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}"))
+            })?;
         log::info!(
             "consumer for scope {} starting: {:?}",
             self.core.scope(),

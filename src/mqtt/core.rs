@@ -17,7 +17,8 @@ use crate::mqtt::health::{Health, HealthEvents, Settled, StatsHandle};
 use crate::mqtt::pipeline::{Pipeline, SyncOverlap};
 use crate::mqtt::ready_acks::ReadyAcks;
 pub use crate::mqtt::summary::RunSummary;
-use crate::store::error::{Error, Result};
+use crate::mqtt::topic_filter;
+use crate::store::error::{Error, InvalidDelivery, Result};
 use crate::store::identity::Delivery;
 use crate::store::outcome::Outcome;
 use crate::store::records;
@@ -89,6 +90,9 @@ pub struct ConsumerCore {
     pub(crate) inbox: Inbox,
     pub(crate) scope: String,
     extractor: Box<dyn ExtractIdentity>,
+    /// The topic filters of the consumer's own connection: a delivery none of them covers is quarantined
+    /// (empty: no check, for a core fed by the application's connection).
+    pub(crate) filters: Vec<String>,
     pub(crate) batch_size: usize,
     pub(crate) linger: Duration,
     handler_attempts: u32,
@@ -143,6 +147,7 @@ impl ConsumerCore {
             inbox,
             scope,
             extractor: Box::new(UserProperty::default()),
+            filters: Vec::new(),
             batch_size: 64,
             linger: Duration::ZERO,
             handler_attempts: 3,
@@ -547,7 +552,13 @@ impl ConsumerCore {
         let mut good: Vec<usize> = Vec::with_capacity(batch.len());
         for (i, p) in batch.iter_mut().enumerate() {
             // An identity that was found but breaks a limit is kept, so its sequence can be claimed.
+            let covered = self.filters.is_empty()
+                || self
+                    .filters
+                    .iter()
+                    .any(|f| topic_filter::matches(&p.inbound.topic, f));
             let (why, known) = match self.extractor.extract(&p.inbound) {
+                Ok(_) if !covered => (InvalidDelivery::NotSubscribed, None),
                 Ok(id) => match delivery_of(&self.scope, &p.inbound, &id).validate(&limits) {
                     Ok(()) => {
                         p.identity = Some(id);

@@ -17,6 +17,8 @@ pub(crate) mod consumer;
 pub(crate) mod core;
 #[cfg(feature = "mqtt")]
 pub(crate) mod driver;
+#[cfg(feature = "mqtt")]
+pub(crate) mod dropped_filters;
 pub(crate) mod envelope_cbor;
 pub(crate) mod extract;
 #[cfg(feature = "mqtt")]
@@ -34,3 +36,5 @@ pub(crate) mod relay;
 pub(crate) mod summary;
 #[cfg(feature = "mqtt")]
 pub(crate) mod tls;
+#[cfg(feature = "mqtt")]
+pub(crate) mod topic_filter;

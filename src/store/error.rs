@@ -35,6 +35,10 @@ pub enum InvalidDelivery {
         /// What is wrong with its value.
         why: String,
     },
+    /// The topic matches none of the [`Consumer`](crate::Consumer)'s topic filters: a subscription the
+    /// broker's session kept from an earlier configuration delivered it (the consumer unsubscribes such
+    /// filters when it connects, but what was queued for them before still arrives).
+    NotSubscribed,
 }
 
 impl fmt::Display for InvalidDelivery {
@@ -53,6 +57,10 @@ impl fmt::Display for InvalidDelivery {
             InvalidDelivery::MalformedProperty { name, why } => {
                 write!(f, "user property {name:?}: {why}")
             }
+            InvalidDelivery::NotSubscribed => f.write_str(
+                "the topic matches none of the consumer's topic filters (a subscription kept from an \
+                 earlier configuration)",
+            ),
         }
     }
 }
