@@ -85,9 +85,12 @@ async fn main() -> anyhow::Result<()> {
                     _ = refused.notified() => {}
                 }
             };
-            let (_core, result) = commits.join_until(signalled).await;
+            let (core, result) = commits.join_until(signalled).await;
             stopping.store(true, Ordering::SeqCst);
             let _ = client.disconnect().await;
+            // Closing the inbox blocks (a checkpoint, syncs): off the runtime's threads, so that the event
+            // loop goes on writing the last PUBACKs and the DISCONNECT meanwhile.
+            let _ = tokio::task::spawn_blocking(move || drop(core)).await;
             result
         })
     };

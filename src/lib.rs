@@ -573,8 +573,10 @@
 //!             let ctrl_c = async {
 //!                 let _ = tokio::signal::ctrl_c().await;
 //!             };
-//!             let (_core, summary) = commits.join_until(ctrl_c).await; // last acks queued
+//!             let (core, summary) = commits.join_until(ctrl_c).await; // last acks queued
 //!             let _ = client.disconnect().await; // behind them
+//!             // Closing the inbox blocks (a checkpoint, syncs): off the runtime's threads.
+//!             let _ = tokio::task::spawn_blocking(move || drop(core)).await;
 //!             summary
 //!         })
 //!     };

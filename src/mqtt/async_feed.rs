@@ -268,7 +268,9 @@ impl CommitThread {
     ///
     /// The PUBACKs are queued in the `AsyncClient`'s request channel: keep polling the event loop (in another
     /// task) while this runs, and queue the DISCONNECT only once it has returned, so that it goes behind
-    /// them.
+    /// them. The core it gives back owns the inbox, whose drop blocks (it joins the checkpoint thread and
+    /// lets SQLite checkpoint, with syncs): drop it on the blocking pool
+    /// (`tokio::task::spawn_blocking(move || drop(core))`), not on a runtime thread.
     pub async fn join_until(
         self,
         cancel: impl Future<Output = ()>,
@@ -286,7 +288,8 @@ impl Consumer {
     /// the background). Gives the consumer back with the result; it can run again.
     ///
     /// The consumer keeps its own connection (and rumqttc's runtime on its poll thread); an application
-    /// that already holds the connection uses [`AsyncFeed`] instead.
+    /// that already holds the connection uses [`AsyncFeed`] instead. As with [`CommitThread::join_until`],
+    /// drop the consumer given back on the blocking pool: its drop closes the inbox, which blocks.
     pub async fn run_until<H>(
         mut self,
         handler: H,
