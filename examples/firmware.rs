@@ -85,30 +85,48 @@ fn main() -> anyhow::Result<()> {
         })
     };
 
-    let commands = format!("cmd/{}/#", args.device);
-    let mut backoff = Duration::from_millis(100);
-    let mut stopping_since: Option<Instant> = None;
-    let mut disconnect_queued = false;
-    let mut refused = None;
-    loop {
-        if stopping_since.is_none() && (stop.load(Ordering::Relaxed) || commits.is_finished()) {
-            // The commit thread finishes its batch and queues the acks; the DISCONNECT goes behind them.
+    // The stop, on a thread of its own: on SIGTERM/SIGINT (or once the commit thread has ended by itself)
+    // the commit thread finishes its batch and queues its acks, and the DISCONNECT goes behind them. The
+    // loop below blocks in `recv` meanwhile, never in a `recv_timeout`: a poll cut short by a timeout can
+    // drop a request rumqttc has already taken from its channel (a PUBACK among them) while the later ones
+    // are written, acks out of arrival order.
+    let stopping = Arc::new(AtomicBool::new(false));
+    let stopper = {
+        let (stop, stopping, client) = (stop.clone(), stopping.clone(), client.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) && !commits.is_finished() {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             commits.stop();
             telemetry_stop.store(true, Ordering::Relaxed);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !commits.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            stopping.store(true, Ordering::SeqCst);
+            while client.try_disconnect().is_err() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            commits.join()
+        })
+    };
+
+    let commands = format!("cmd/{}/#", args.device);
+    let mut backoff = Duration::from_millis(100);
+    let mut refused = None;
+    let mut stopping_since: Option<Instant> = None;
+    loop {
+        if stopping_since.is_none() && stopping.load(Ordering::SeqCst) {
             stopping_since = Some(Instant::now());
         }
-        if let Some(since) = stopping_since {
-            if commits.is_finished() && !disconnect_queued {
-                disconnect_queued = client.try_disconnect().is_ok();
-            }
-            if since.elapsed() > Duration::from_secs(10) {
-                break;
-            }
+        // Bounded: the broker closes the connection after our DISCONNECT, and pings come meanwhile.
+        if stopping_since.is_some_and(|since| since.elapsed() > Duration::from_secs(10)) {
+            break;
         }
-        match connection.recv_timeout(Duration::from_millis(100)) {
+        match connection.recv() {
             Ok(Ok(Event::Incoming(Incoming::ConnAck(ack)))) => {
                 backoff = Duration::from_millis(100);
-                // A closed feed means the commit thread has ended: the check at the top stops the loop.
+                // A closed feed means the commit thread has ended: the stopper takes it from there.
                 let _ = feed.connected(ack.session_present);
                 // Again at every connect: a kept session may lack a filter added since.
                 client.try_subscribe(commands.as_str(), QoS::AtLeastOnce)?;
@@ -128,7 +146,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
             Ok(Ok(Event::Incoming(Incoming::Publish(p)))) => {
-                if stopping_since.is_some() {
+                if stop.load(Ordering::Relaxed) || stopping_since.is_some() {
                     continue; // not committed by this run: the broker redelivers it
                 }
                 if p.topic.starts_with(b"cmd/") {
@@ -142,20 +160,21 @@ fn main() -> anyhow::Result<()> {
             Ok(Err(e)) => {
                 // First: no ack of the old connection may leave on the next one.
                 let _ = feed.because(&e).lost_v5(&mut connection.eventloop);
-                if stopping_since.is_some() {
+                if stopping.load(Ordering::SeqCst) {
                     break; // the broker closed the connection after our DISCONNECT
                 }
                 log::warn!("connection lost: {e}; retrying in {backoff:?}");
                 std::thread::sleep(backoff);
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
-            Err(rumqttc::v5::RecvTimeoutError::Timeout) => {}
-            Err(rumqttc::v5::RecvTimeoutError::Disconnected) => break,
+            Err(_) => break,
         }
     }
     drop(feed);
     let _ = publisher.join();
-    let (_core, result) = commits.join();
+    let (_core, result) = stopper
+        .join()
+        .map_err(|_| anyhow::anyhow!("the stopping thread panicked"))?;
     let summary = result?;
     if let Some(e) = refused {
         return Err(e);
