@@ -598,6 +598,16 @@ pub(crate) fn run_handler<H: Handler>(
         return Err(Error::HandlerEndedTransaction);
     }
     if let Some(code) = failure.get() {
+        // A statement through `Tx` the handler interrupted itself: a write, which ended the transaction, as
+        // below; a read, its own failure whatever it returned, as it may have gone on without the value.
+        if is_interrupt(code) {
+            if conn.handler_tx_ended() {
+                return Err(Error::HandlerEndedTransaction);
+            }
+            return Ok(Err(anyhow::Error::new(storage_error(code)).context(
+                "a read through the inbox was interrupted by the handler",
+            )));
+        }
         return Err(storage_error(code));
     }
     // An interrupt comes from the handler (the inbox never interrupts): of a read, the transaction is whole

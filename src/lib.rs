@@ -180,8 +180,9 @@
 //! gives [`Outcome::HandlerFailed`], and the consumer's or [`Worker`]'s attempts and dead letter follow, instead of
 //! a retry for ever that holds back every delivery behind it. An interrupt the handler causes (its own
 //! `sqlite3_interrupt`, a progress handler that returns true) is its own too: an interrupted read is a
-//! handler failure when the handler returns the error, and an interrupted write, which makes SQLite roll the
-//! whole transaction back, is [`Error::HandlerEndedTransaction`]. Both cost the delivery an attempt (the
+//! handler failure when the handler returns the error (through [`Tx`]'s own reads, whatever it returns), and
+//! an interrupted write, which makes SQLite roll the whole transaction back, is
+//! [`Error::HandlerEndedTransaction`]. Both cost the delivery an attempt (the
 //! [`Consumer`] dead-letters a delivery whose handler ends the transaction; the [`Worker`] counts an attempt
 //! and dead-letters at the last), so a handler that always interrupts itself cannot stall the stream. Remove
 //! a progress handler before returning: left installed, it interrupts the inbox's own statements, which is

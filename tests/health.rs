@@ -710,3 +710,94 @@ fn a_filter_removed_from_the_configuration_delivers_nothing_to_the_handler() {
     }
     assert_eq!(summary.quarantined, quarantined.len() as u64, "{summary:?}");
 }
+
+/// A session kept with a QoS 2 subscription (made by an earlier program under the same client id) holds a
+/// QoS 2 message: it still comes at QoS 2 after the consumer subscribes the filter at QoS 1. The consumer
+/// handles it once and leaves it unanswered, and goes on with the rest, instead of ending every run.
+#[test]
+fn a_qos2_message_a_kept_session_queued_is_handled_once_and_the_run_goes_on() {
+    use rumqttc::v5::mqttbytes::v5::{Packet, PublishProperties};
+    use rumqttc::v5::mqttbytes::QoS;
+    use rumqttc::v5::{Client, Event, MqttOptions};
+
+    if broker::selected() != Kind::Mosquitto {
+        println!("skipped: needs mosquitto (QoS 2 sessions)");
+        return;
+    }
+    let broker = Broker::start();
+    let client_id = "health-qos2-kept";
+    // Bounded wait for an event the test needs.
+    let wait = |conn: &mut rumqttc::v5::Connection, what: &str, pred: &dyn Fn(&Event) -> bool| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            assert!(std::time::Instant::now() < deadline, "no {what}");
+            if let Ok(Ok(e)) = conn.recv_timeout(Duration::from_millis(200)) {
+                if pred(&e) {
+                    return;
+                }
+            }
+        }
+    };
+    {
+        let mut o = MqttOptions::new(client_id, "127.0.0.1", broker.port);
+        o.set_clean_start(false)
+            .set_session_expiry_interval(Some(3600))
+            .set_keep_alive(Duration::from_secs(30));
+        let (client, mut conn) = Client::new(o, 10);
+        wait(&mut conn, "CONNACK", &|e| {
+            matches!(e, Event::Incoming(Packet::ConnAck(_)))
+        });
+        client.try_subscribe("orders/#", QoS::ExactlyOnce).unwrap();
+        wait(&mut conn, "SUBACK", &|e| {
+            matches!(e, Event::Incoming(Packet::SubAck(_)))
+        });
+        client.try_disconnect().unwrap();
+        let _ = conn.recv_timeout(Duration::from_millis(500));
+    }
+    {
+        let mut o = MqttOptions::new("health-qos2-pub", "127.0.0.1", broker.port);
+        o.set_keep_alive(Duration::from_secs(30));
+        let (client, mut conn) = Client::new(o, 10);
+        let props = PublishProperties {
+            user_properties: vec![("message-id".into(), "q2-1".into())],
+            ..Default::default()
+        };
+        client
+            .publish_with_properties(
+                "orders/1",
+                QoS::ExactlyOnce,
+                false,
+                order(1, "A-1", 1, "created"),
+                props,
+            )
+            .unwrap();
+        wait(&mut conn, "PUBCOMP", &|e| {
+            matches!(e, Event::Incoming(Packet::PubComp(_)))
+        });
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = consumer(&broker, &dir.path().join("inbox.db"), client_id);
+    let stats = c.stats();
+    let stop = c.stop_handle();
+    let summary = std::thread::scope(|scope| {
+        let _stop_on_panic = StopOnDrop(stop.clone());
+        let run = scope.spawn(|| c.run(inventory_handler));
+        let subscribed = common::wait_for(Duration::from_secs(30), || {
+            stats.snapshot().subscribed.then_some(())
+        });
+        assert!(subscribed.is_some(), "never subscribed");
+        broker.publish_v5("orders/2", Some("q1-2"), &order(2, "A-1", 1, "created"));
+        let handled = common::wait_for(Duration::from_secs(30), || {
+            (stats.snapshot().summary.processed >= 2).then_some(())
+        });
+        assert!(handled.is_some(), "{:?}", stats.snapshot().summary);
+        stop.stop();
+        run.join().unwrap()
+    });
+    let summary = summary.unwrap();
+    assert_eq!(
+        (summary.processed, summary.connections),
+        (2, 1),
+        "{summary:?}"
+    );
+}

@@ -152,8 +152,23 @@ fn an_interrupt_the_handler_causes_is_its_own_failure_not_storage_trouble() {
         marks, 1,
         "only the delivery that went on without its read left a mark"
     );
+    // Through the inbox's own API, swallowed: the delivery fails (it may have gone on without the value),
+    // the batch does not.
+    let d = Delivery::new("s", "evt-4", "t", b"x");
+    let out = inbox.process(&d, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
+        tx.sql().progress_handler(1, Some(|| true)).unwrap();
+        let n = tx.get::<i64>("n").ok().flatten().unwrap_or_default();
+        tx.sql().progress_handler(1, None::<fn() -> bool>).unwrap();
+        tx.sql().execute(
+            "INSERT INTO marks (id) VALUES (?1)",
+            [format!("{}-{n}", d.message_id)],
+        )?;
+        Ok(())
+    });
+    assert!(matches!(out, Ok(Outcome::HandlerFailed(_))), "{out:?}");
     let st = inbox.scope_stats("s").unwrap();
-    assert_eq!((st.handler_failures, st.processed), (1, 1));
+    assert_eq!((st.handler_failures, st.processed), (2, 1));
+    assert_eq!(count(inbox.connection(), "SELECT count(*) FROM marks"), 1);
 }
 
 #[test]

@@ -111,10 +111,11 @@ impl MqttConfig {
     /// consumer subscribes to nothing and takes what the broker's kept session delivers.
     ///
     /// The session keeps a filter until it is unsubscribed, so the inbox file records the filters each
-    /// client id subscribed: one removed from the configuration is unsubscribed on every connection, and a
-    /// delivery none of the configured filters covers (one the session had queued for it) is quarantined
-    /// ([`InvalidDelivery::NotSubscribed`](crate::InvalidDelivery::NotSubscribed)), never handed to the
-    /// handler.
+    /// client id subscribed (the last 64): one removed from the configuration is unsubscribed on every
+    /// connection, and a delivery that only a removed filter covers (one the session had queued for it) is
+    /// quarantined ([`InvalidDelivery::NotSubscribed`](crate::InvalidDelivery::NotSubscribed)), never handed
+    /// to the handler. A subscription the file never recorded (made by another program with the same
+    /// client id) is left as it is, and what it delivers is handled.
     pub fn subscribe(mut self, filter: impl Into<String>) -> Self {
         self.topics.push(filter.into());
         self
@@ -197,6 +198,12 @@ impl MqttConfig {
         if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
             return bad(format!(
                 "broker host {host:?}: write an IPv6 address in brackets ([::1]), and the port apart"
+            ));
+        }
+        if self.tls.is_some() && host.starts_with('[') {
+            return bad(format!(
+                "broker host {host:?}: with TLS give the broker's host name, which its certificate is checked \
+                 against"
             ));
         }
         let id = self.client_id.as_str();
@@ -288,9 +295,12 @@ const DEFAULT_INFLIGHT: u16 = 8192;
 /// 20 ms of them, and at most 216 KiB.
 const REQUEST_CHANNEL: usize = 1024;
 
-/// Outgoing publishes a consumer's connection may have in flight: it sends none. (rumqttc then hands out
-/// packet id 1 to every SUBSCRIBE; the consumer sends one SUBSCRIBE per connection, so no two are in flight.)
-const CONSUMER_OUTGOING_INFLIGHT: u16 = 1;
+/// Outgoing publishes a consumer's connection may have in flight: it sends none. rumqttc also numbers
+/// SUBSCRIBE and UNSUBSCRIBE packets within this limit (1, 2, ... then 1 again), so it is one more than the
+/// UNSUBSCRIBEs sent with the one SUBSCRIBE at each connection, for no two in flight to share a packet id.
+fn consumer_outgoing_inflight(unsubscribes: usize) -> u16 {
+    u16::try_from(unsubscribes + 1).unwrap_or(u16::MAX)
+}
 
 /// Creates the client and starts the poll thread, which feeds every (re)connection, QoS1 publish and
 /// connection loss to `feed`. Once `closing` is set it hands over no more publishes.
@@ -340,7 +350,7 @@ pub(crate) fn start(
             o.set_receive_maximum(Some(config.inflight));
             // The consumer publishes nothing, and rumqttc allocates one slot per outgoing inflight message up
             // front: its default (65,535 slots) is 14 MiB of resident memory.
-            o.set_outgoing_inflight_upper_limit(CONSUMER_OUTGOING_INFLIGHT);
+            o.set_outgoing_inflight_upper_limit(consumer_outgoing_inflight(unsubscribe.len()));
             // Sent in CONNECT: the broker must not send us a larger packet (it drops it instead), and rumqttc
             // refuses one before reading it, so an oversize publish never reaches memory.
             o.set_max_packet_size(Some(config.max_packet));

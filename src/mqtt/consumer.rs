@@ -239,7 +239,9 @@ impl Consumer {
         let gate = AckGate::new();
         self.core.set_gate(gate.clone());
         let budget = Budget::new(self.core.memory_budget);
-        let (feed, rx) = driver::channel(gate.clone(), budget.clone());
+        let (mut feed, rx) = driver::channel(gate.clone(), budget.clone());
+        // It subscribes at QoS 1: a QoS 2 delivery is one a kept session queued under an older subscription.
+        feed.qos2_leftovers = true;
         let waker = feed.waker();
         let closing = Arc::new(AtomicBool::new(false));
         self.core.filters = mqtt.topics.clone();
@@ -253,6 +255,7 @@ impl Consumer {
         if !dropped.is_empty() {
             log::info!("unsubscribing filters no longer configured: {dropped:?}");
         }
+        self.core.removed_filters = dropped.clone();
         let (client, poller) =
             mqtt_conn::start(&mqtt, feed, closing.clone(), dropped).map_err(|e| {
                 Error::InvalidArgument(format!("cannot start the MQTT poll thread: {e}"))

@@ -90,9 +90,12 @@ pub struct ConsumerCore {
     pub(crate) inbox: Inbox,
     pub(crate) scope: String,
     extractor: Box<dyn ExtractIdentity>,
-    /// The topic filters of the consumer's own connection: a delivery none of them covers is quarantined
-    /// (empty: no check, for a core fed by the application's connection).
+    /// The topic filters of the consumer's own connection, and those an earlier configuration subscribed
+    /// and it unsubscribes: a delivery that only a removed one covers is quarantined (it was queued for
+    /// it before). Any other delivery is handled, whatever subscription of the session brought it (both
+    /// empty for a core fed by the application's connection).
     pub(crate) filters: Vec<String>,
+    pub(crate) removed_filters: Vec<String>,
     pub(crate) batch_size: usize,
     pub(crate) linger: Duration,
     handler_attempts: u32,
@@ -148,6 +151,7 @@ impl ConsumerCore {
             scope,
             extractor: Box::new(UserProperty::default()),
             filters: Vec::new(),
+            removed_filters: Vec::new(),
             batch_size: 64,
             linger: Duration::ZERO,
             handler_attempts: 3,
@@ -552,13 +556,15 @@ impl ConsumerCore {
         let mut good: Vec<usize> = Vec::with_capacity(batch.len());
         for (i, p) in batch.iter_mut().enumerate() {
             // An identity that was found but breaks a limit is kept, so its sequence can be claimed.
-            let covered = self.filters.is_empty()
-                || self
-                    .filters
+            let topic = &p.inbound.topic;
+            let removed = !self.removed_filters.is_empty()
+                && self
+                    .removed_filters
                     .iter()
-                    .any(|f| topic_filter::matches(&p.inbound.topic, f));
+                    .any(|f| topic_filter::matches(topic, f))
+                && !self.filters.iter().any(|f| topic_filter::matches(topic, f));
             let (why, known) = match self.extractor.extract(&p.inbound) {
-                Ok(_) if !covered => (InvalidDelivery::NotSubscribed, None),
+                Ok(_) if removed => (InvalidDelivery::NotSubscribed, None),
                 Ok(id) => match delivery_of(&self.scope, &p.inbound, &id).validate(&limits) {
                     Ok(()) => {
                         p.identity = Some(id);

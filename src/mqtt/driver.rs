@@ -83,6 +83,9 @@ pub struct Feed {
     current: ConnectionId,
     /// The cause for the next `lost`, set by [`Feed::because`].
     cause: Option<String>,
+    /// The crate's own connection, which subscribes at QoS 1: a QoS 2 delivery is one a session kept from
+    /// an earlier QoS 2 subscription (see [`Feed::publish_v5`]).
+    pub(crate) qos2_leftovers: bool,
 }
 
 impl fmt::Debug for Feed {
@@ -198,13 +201,17 @@ impl Feed {
     /// a PUBACK would break the protocol (the broker drops the connection and sends it again, for ever),
     /// and rumqttc forgets the QoS 2 flows it answered at a reconnect, so the broker's PUBREL of one would
     /// then fail the new connection. Subscribe at QoS 1; the broker sends it again once the run is restarted.
+    /// (On the [`Consumer`](crate::Consumer)'s own connection, which subscribes at QoS 1, a QoS 2 delivery
+    /// was queued by a session under an earlier QoS 2 subscription, and comes at QoS 2 whatever the
+    /// subscription now: it is handled as a QoS 0 one, once, and left unanswered, with a warning.)
     pub fn publish_v5(
         &mut self,
         publish: rumqttc::v5::mqttbytes::v5::Publish,
     ) -> std::result::Result<(), FeedClosed> {
         use rumqttc::v5::mqttbytes::QoS;
         if publish.qos == QoS::ExactlyOnce {
-            return self.refuse_exactly_once(&String::from_utf8_lossy(&publish.topic));
+            let topic = String::from_utf8_lossy(&publish.topic).into_owned();
+            return self.exactly_once(&topic, Inbound::from(publish));
         }
         let packet_id = (publish.qos != QoS::AtMostOnce).then_some(publish.pkid);
         self.publish(Inbound::from(publish), packet_id)
@@ -216,17 +223,29 @@ impl Feed {
         publish: rumqttc::Publish,
     ) -> std::result::Result<(), FeedClosed> {
         if publish.qos == rumqttc::QoS::ExactlyOnce {
-            return self.refuse_exactly_once(&publish.topic);
+            let topic = publish.topic.clone();
+            return self.exactly_once(&topic, Inbound::from(publish));
         }
         let packet_id = (publish.qos != rumqttc::QoS::AtMostOnce).then_some(publish.pkid);
         self.publish(Inbound::from(publish), packet_id)
     }
 
-    fn refuse_exactly_once(&self, topic: &str) -> std::result::Result<(), FeedClosed> {
+    fn exactly_once(
+        &mut self,
+        topic: &str,
+        inbound: Inbound,
+    ) -> std::result::Result<(), FeedClosed> {
+        let topic = crate::store::records::cut(topic, 256);
+        if self.qos2_leftovers {
+            log::warn!(
+                "a QoS 2 delivery on topic {topic:?}, queued by the session under an earlier QoS 2 \
+                 subscription: handled once and left unanswered (the broker holds it until the session ends)"
+            );
+            return self.publish(inbound, None);
+        }
         let why = format!(
-            "a QoS 2 delivery on topic {:?}: the inbox answers QoS 1 deliveries after their commit; subscribe \
-             at QoS 1 (a session kept with a QoS 2 subscription: subscribe the same filter again at QoS 1)",
-            crate::store::records::cut(topic, 256)
+            "a QoS 2 delivery on topic {topic:?}: the inbox answers QoS 1 deliveries after their commit; subscribe \
+             at QoS 1",
         );
         log::error!("{why}");
         self.fail(Error::InvalidArgument(why))
@@ -273,6 +292,7 @@ pub(crate) fn channel(gate: AckGate, budget: Budget) -> (Feed, Receiver<Event>) 
             budget,
             current: ConnectionId(0),
             cause: None,
+            qos2_leftovers: false,
         },
         rx,
     )

@@ -7,6 +7,9 @@ use crate::store::error::Result;
 use crate::store::schema::meta;
 use crate::store::txn::write;
 
+/// Filters recorded per client id, current ones included.
+const MAX_RECORDED: usize = 64;
+
 /// Records `current` among the filters ever subscribed for `client_id` through this inbox file and returns
 /// the recorded ones no longer in `current`, to unsubscribe on every connection (an UNSUBSCRIBE of a filter
 /// the session does not hold is harmless). Without filters the consumer takes what the kept session
@@ -30,6 +33,13 @@ pub(crate) fn dropped_filters(
         for f in current {
             if !all.contains(f) {
                 all.push(f.clone());
+            }
+        }
+        // Bounded: the oldest removed filters are forgotten first (each costs an UNSUBSCRIBE per connection).
+        while all.len() > MAX_RECORDED {
+            match all.iter().position(|f| !current.contains(f)) {
+                Some(oldest) => drop(all.remove(oldest)),
+                None => break,
             }
         }
         if all != stored {

@@ -1,15 +1,22 @@
 //! MQTT topic filter matching, for the deliveries a consumer's configured filters no longer cover.
 
 /// Whether `topic` matches `filter` as a broker matches it (MQTT 5, 4.7): `+` one level, `#` the rest
-/// (the parent level included), a shared subscription (`$share/{group}/{filter}`) by its filter, and a
-/// topic that begins with `$` never by a wildcard at the first level.
+/// (the parent level included), a shared subscription by its filter (`$share/{group}/{filter}`, and
+/// EMQX's `$queue/{filter}` and `$exclusive/{filter}`), and a topic that begins with `$` never by a
+/// wildcard at the first level.
 pub(crate) fn matches(topic: &str, filter: &str) -> bool {
-    let filter = match filter.strip_prefix("$share/") {
-        Some(rest) => match rest.split_once('/') {
+    let filter = if let Some(rest) = filter.strip_prefix("$share/") {
+        match rest.split_once('/') {
             Some((_group, f)) => f,
             None => return false,
-        },
-        None => filter,
+        }
+    } else if let Some(f) = filter
+        .strip_prefix("$queue/")
+        .or_else(|| filter.strip_prefix("$exclusive/"))
+    {
+        f
+    } else {
+        filter
     };
     if topic.starts_with('$') && (filter.starts_with('+') || filter.starts_with('#')) {
         return false;
@@ -45,6 +52,8 @@ mod tests {
             ("/orders", "+/orders", true),
             ("orders/1", "$share/g/orders/#", true),
             ("other/1", "$share/g/orders/#", false),
+            ("orders/1", "$queue/orders/#", true),
+            ("orders/1", "$exclusive/orders/1", true),
             ("$SYS/load", "#", false),
             ("$SYS/load", "+/load", false),
             ("$SYS/load", "$SYS/#", true),

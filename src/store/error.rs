@@ -35,9 +35,9 @@ pub enum InvalidDelivery {
         /// What is wrong with its value.
         why: String,
     },
-    /// The topic matches none of the [`Consumer`](crate::Consumer)'s topic filters: a subscription the
-    /// broker's session kept from an earlier configuration delivered it (the consumer unsubscribes such
-    /// filters when it connects, but what was queued for them before still arrives).
+    /// The topic matches a topic filter the [`Consumer`](crate::Consumer)'s earlier configuration subscribed
+    /// and none of its current ones: the broker's session queued it for that subscription (the consumer
+    /// unsubscribes such filters when it connects, but what was queued for them before still arrives).
     NotSubscribed,
 }
 
@@ -58,8 +58,8 @@ impl fmt::Display for InvalidDelivery {
                 write!(f, "user property {name:?}: {why}")
             }
             InvalidDelivery::NotSubscribed => f.write_str(
-                "the topic matches none of the consumer's topic filters (a subscription kept from an \
-                 earlier configuration)",
+                "the topic matches none of the consumer's topic filters, only one an earlier configuration \
+                 subscribed and this one removed",
             ),
         }
     }

@@ -158,11 +158,9 @@ impl<'a> Tx<'a> {
             return Err(Error::HandlerEndedTransaction);
         }
         f().map_err(|e| {
-            // An interrupted read leaves the transaction whole: the handler's own failure, which it
-            // returns or not (an interrupted write ends the transaction, which the check above catches).
-            if let Some(code) =
-                extended_code(&e).filter(|c| is_storage_failure(*c) && !is_interrupt(*c))
-            {
+            // Remembered, so that a handler that swallows the error cannot commit what it computed without
+            // it; an interrupt (the handler's own doing) then fails the delivery, not the batch.
+            if let Some(code) = extended_code(&e).filter(|c| is_storage_failure(*c)) {
                 self.failure.set(Some(code));
             }
             Error::from(e)
