@@ -767,7 +767,7 @@ pub(crate) fn claim_identity(
         scope_id,
         id_hash.as_bytes(),
         fingerprint.to_sql(),
-        stored_day(conn, now, d.sent_at.is_some()),
+        stored_day(conn, now, d.sent_at),
     );
     // The primary key arbitrates: `ON CONFLICT DO NOTHING` changes no row when the identity exists, and
     // saves building an error (and its message) on the duplicate path.
@@ -828,12 +828,16 @@ pub(crate) fn identity_day(unix_seconds: i64) -> i64 {
 /// The commit day is never before the latest clock reading retention accepted (`clock_seen`, cached on
 /// `conn` by the retention refresh of the same transaction): a commit clock running behind would date the
 /// identity too early and the horizon would delete it early; so a wrong clock can only keep it longer.
-pub(crate) fn stored_day(conn: &Db, unix_seconds: i64, dated: bool) -> i64 {
-    let day = identity_day(unix_seconds.max(conn.clock_seen.get()));
-    if dated {
-        day
-    } else {
-        -1 - day
+///
+/// Nor is a dated identity's day before its send time (`sent_at`): a repetition is known to be older than
+/// what the horizon pruned by its send time, so an identity sent ahead of the gateway's clock (a
+/// producer's clock running ahead by more than the allowed skew) must be kept until a horizon after that
+/// time, or its repetitions could never be told apart from new messages once it was pruned.
+pub(crate) fn stored_day(conn: &Db, unix_seconds: i64, sent_at: Option<i64>) -> i64 {
+    let at = unix_seconds.max(conn.clock_seen.get());
+    match sent_at {
+        Some(sent) => identity_day(at.max(sent)),
+        None => -1 - identity_day(at),
     }
 }
 

@@ -276,3 +276,51 @@ fn horizon_seen_by_another_connection() {
         Outcome::Expired { .. }
     ));
 }
+
+/// A delivery sent "in the future" (its producer's clock runs ahead by more than the allowed skew): its
+/// identity counts from its send time, not its commit. Dated by its commit, the horizon pruned it while its
+/// repetitions, which carry the same send time, could never be told older than what was pruned: the effect
+/// ran again.
+#[test]
+fn an_identity_sent_ahead_of_the_gateways_clock_is_kept_until_a_horizon_after_its_send_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+    let scope = "future";
+    inbox
+        .set_retention(
+            scope,
+            &RetentionPolicy::new()
+                .identity_horizon(Duration::from_secs(30 * DAY as u64))
+                .expired(ExpiredPolicy::Quarantine),
+        )
+        .unwrap();
+    let effects = Cell::new(0);
+    let handler = |_: &mut edge_inbox::Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> {
+        effects.set(effects.get() + 1);
+        Ok(())
+    };
+    let sent = now() + 60 * DAY;
+    let d = Delivery::new(scope, "evt-f", "t", b"1").with_sent_at(sent);
+    assert!(matches!(
+        inbox.process(&d, handler).unwrap(),
+        Outcome::Processed
+    ));
+    let scope_id = inbox.scope_id(scope).unwrap();
+    let day: i64 = inbox
+        .connection()
+        .query_row(
+            "SELECT day FROM identities WHERE scope_id = ?1",
+            [scope_id],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(day, sent.div_euclid(DAY), "dated by its send time");
+    // Forty days on, by the commit's clock: the identity is still within the horizon of its send time.
+    backdate(&inbox, scope_id, "evt-f", 40);
+    inbox
+        .prune(&Pruning::default().pause(Duration::ZERO))
+        .unwrap();
+    let again = inbox.process(&d, handler).unwrap();
+    assert!(matches!(again, Outcome::Duplicate), "{again:?}");
+    assert_eq!(effects.get(), 1);
+}

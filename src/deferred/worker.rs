@@ -807,7 +807,7 @@ fn apply_claims<H: Handler>(
         // dead-lettered, until the window slides past it): a redelivery finds it there under any sequence,
         // and a row per message would grow a scope meant to cost O(producers) and, pruned, set
         // `pruned_before`.
-        let day = crate::inbox::stored_day(conn, now, c.sent_at.is_some());
+        let day = crate::inbox::stored_day(conn, now, c.sent_at);
         let restored = if held_by_sequence(conn, scope_id, c)? {
             0
         } else {

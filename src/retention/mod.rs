@@ -127,7 +127,8 @@ impl RetentionPolicy {
     /// retained messages, a relay or bridge that republishes, a dead-letter queue that is replayed, a restore of
     /// the producer or broker from a backup, and any deliberate replay. Deliveries that carry
     /// [`Delivery::sent_at`] and are older than what was pruned follow the [`ExpiredPolicy`]; others are
-    /// taken as new.
+    /// taken as new. An identity whose send time is ahead of its commit (a producer's clock running ahead)
+    /// counts from its send time, so that its repetitions are still known to be older than what was pruned.
     pub fn identity_horizon(mut self, horizon: Duration) -> Self {
         self.identity_horizon = Some(horizon);
         self
