@@ -784,8 +784,11 @@ pub(crate) fn claim_identity(
 }
 
 /// [`claim_sequence`] for a delivery sent before what the scope's horizon pruned: a new sequence meets the
-/// expired rule as a new identity row does, and its claim is undone unless the policy processes it. `None`:
-/// not a numbered delivery of a watermark scope.
+/// expired rule as a new identity row does. Its claim is kept whatever the policy, as a quarantined numbered
+/// delivery's is ([`Inbox::quarantine_delivery_as`]): undone, it would leave a gap in the producer's
+/// watermark that its redeliveries (expired again) never close, and every later sequence would be kept as an
+/// exception for good. A redelivery is then compared with it (a duplicate, or a conflict). `None`: not a
+/// numbered delivery of a watermark scope.
 #[cold]
 fn claim_old_sequence(
     conn: &Db,
@@ -805,7 +808,6 @@ fn claim_old_sequence(
             Some(Claim::Sequence)
         }
         Some(None) => {
-            conn.rollback_to()?;
             let outcome = retention::check_new_sequence(conn, d, scope_id, now, rules)?
                 .expect("sent before the horizon and not processed by policy");
             Some(Claim::Settled(outcome))

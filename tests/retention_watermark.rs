@@ -321,3 +321,92 @@ fn a_message_numbered_once_and_unnumbered_once_has_one_effect() {
         "one record per conflicting content, arrivals counted on it"
     );
 }
+
+/// A numbered delivery sent before what the identity horizon pruned, and not applied by the scope's policy,
+/// still claims its sequence: undone, its gap in the producer's watermark would never close (each redelivery
+/// is expired again), and every later sequence would be kept as an exception for good.
+#[test]
+fn an_expired_numbered_delivery_leaves_no_gap_in_the_watermark() {
+    use edge_inbox::{ExpiredPolicy, Pruning};
+    use std::time::Duration;
+
+    const DAY: i64 = 86_400;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    for policy in [ExpiredPolicy::Quarantine, ExpiredPolicy::Reject] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut inbox = Inbox::open(dir.path().join("inbox.db"), Config::default()).unwrap();
+        let s = "meters";
+        inbox
+            .set_retention(
+                s,
+                &RetentionPolicy::new()
+                    .sequence_watermarks(1)
+                    .identity_horizon(Duration::from_secs(30 * DAY as u64))
+                    .expired(policy),
+            )
+            .unwrap();
+        let applied = std::cell::Cell::new(0);
+        let handler = |_: &mut edge_inbox::Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> {
+            applied.set(applied.get() + 1);
+            Ok(())
+        };
+        // An unnumbered identity, committed "40 days ago" and pruned: the scope has a pruned horizon.
+        let old = Delivery::new(s, "unnumbered", "t", b"u").with_sent_at(now - 40 * DAY);
+        inbox.process(&old, handler).unwrap();
+        let scope_id = inbox.scope_id(s).unwrap();
+        inbox
+            .connection()
+            .execute_batch(&format!(
+                "UPDATE identities SET day = day - 40 WHERE scope_id = {scope_id};
+                 UPDATE inbox_meta SET value = {} WHERE name = 'created_at';",
+                edge_inbox::EARLIEST_PLAUSIBLE_TIME
+            ))
+            .unwrap();
+        let pruned = inbox
+            .prune(&Pruning::default().pause(Duration::ZERO))
+            .unwrap();
+        assert_eq!(pruned.identities_pruned, 1);
+        let ids: Vec<String> = (0..=60).map(|seq| format!("m-{seq}")).collect();
+        let numbered = |seq: u64, sent_at: i64| {
+            Delivery::new(s, &ids[seq as usize], "t", b"x")
+                .with_producer("p")
+                .with_sequence(seq)
+                .with_sent_at(sent_at)
+        };
+        for seq in 1..=20 {
+            assert!(matches!(
+                inbox.process(&numbered(seq, now), handler).unwrap(),
+                Outcome::Processed
+            ));
+        }
+        // Sequence 21 comes late, sent before the pruned horizon: not applied.
+        let late = numbered(21, now - 45 * DAY);
+        let first = inbox.process(&late, handler).unwrap();
+        assert!(
+            matches!(first, Outcome::Expired { .. }),
+            "{policy:?}: {first:?}"
+        );
+        for seq in 22..=60 {
+            assert!(matches!(
+                inbox.process(&numbered(seq, now), handler).unwrap(),
+                Outcome::Processed
+            ));
+        }
+        let mark = inbox.watermark(s, "p").unwrap();
+        assert_eq!(
+            (mark.high, mark.exceptions.len()),
+            (Some(60), 0),
+            "{policy:?}"
+        );
+        // Its redelivery is compared with what claimed the sequence: not applied either.
+        let again = inbox.process(&late, handler).unwrap();
+        assert!(
+            !matches!(again, Outcome::Processed),
+            "{policy:?}: {again:?}"
+        );
+        assert_eq!(applied.get(), 1 + 59, "{policy:?}");
+    }
+}

@@ -668,8 +668,8 @@ pub(crate) fn sent_before_horizon(d: &Delivery<'_>, rules: &ScopeRules) -> bool 
 }
 
 /// [`check_new_identity`] for a delivery that claimed a new watermark sequence (no identity row): the caller
-/// undoes the claim when the outcome is `Some`. A numbered delivery older than what the horizon pruned may
-/// repeat one recorded by an identity row before the scope took watermarks.
+/// keeps the claim, so that the producer's watermark has no gap. A numbered delivery older than what the
+/// horizon pruned may repeat one recorded by an identity row before the scope took watermarks.
 #[cold]
 pub(crate) fn check_new_sequence(
     conn: &Db,
