@@ -400,9 +400,25 @@ fn a_known_id_under_a_new_sequence_is_recognised_in_a_watermark_scope() {
         "{out:?}"
     );
     assert_eq!(applied.get(), 3);
+    // Far ahead of the mark, a repeat claims nothing: no exception that would never close, and the number
+    // is left for the message that carries it.
+    let far = Delivery::new("s", "evt-42", "t", b"v")
+        .with_producer("p")
+        .with_sequence(1_000_000);
+    assert!(matches!(
+        inbox.process(&far, count_effect).unwrap(),
+        Outcome::Duplicate
+    ));
     let wm = inbox.watermark("s", "p").unwrap();
     assert_eq!(wm.high, Some(6), "{wm:?}");
     assert_eq!(wm.exceptions, vec![50]);
+    let owner = Delivery::new("s", "evt-1000000", "t", b"v")
+        .with_producer("p")
+        .with_sequence(1_000_000);
+    assert!(matches!(
+        inbox.process(&owner, count_effect).unwrap(),
+        Outcome::Processed
+    ));
     let st = inbox.scope_stats("s").unwrap();
     assert_eq!(
         (
@@ -411,7 +427,7 @@ fn a_known_id_under_a_new_sequence_is_recognised_in_a_watermark_scope() {
             st.conflicts,
             st.sequence_conflicts
         ),
-        (3, 3, 1, 1)
+        (4, 4, 1, 1)
     );
 }
 

@@ -111,7 +111,8 @@ pub(crate) fn claim(
 }
 
 /// Claims sequence `seq` in the producer's watermark: true when it was free and is now claimed (with the
-/// claiming identity in `watermark_recent` if `remember`), false when it was claimed before.
+/// claiming identity in `watermark_recent` if `remember`), false when it was claimed before (or, for an id
+/// already known, is further than the window ahead of the mark: left unclaimed).
 fn claim_number(conn: &Db, c: &Claim<'_>, seq: i64, remember_it: bool) -> Result<bool> {
     let (scope_id, producer) = (c.scope_id, c.producer);
     let high: i64 = conn
@@ -123,6 +124,13 @@ fn claim_number(conn: &Db, c: &Claim<'_>, seq: i64, remember_it: bool) -> Result
         return Ok(false);
     }
     if seq > high + 1 {
+        // A known id (a repetition) renumbered far ahead of the mark claims nothing there: the exception
+        // would never close, a publisher could add one per repetition, and a later message of that number
+        // would be taken for one below the window. Near the mark it claims, so that a producer that numbers
+        // its publish attempts leaves no gap.
+        if !remember_it && seq > high.saturating_add(SEQUENCE_WINDOW as i64) {
+            return Ok(false);
+        }
         let inserted = conn
             .prepare_cached("INSERT INTO watermark_exceptions (scope_id, producer, sequence) VALUES (?1, ?2, ?3)")?
             .execute((scope_id, producer, seq));
