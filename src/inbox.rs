@@ -254,7 +254,15 @@ impl Inbox {
             reason,
             max_topic: self.config.limits.max_topic_len,
         };
-        let result = records::quarantine(&self.conn, &self.conn.id_key, &record, now);
+        // The refresh reads the clock retention accepted, which the record's stamp is never before.
+        let result = self.retention.refresh(&self.conn).and_then(|()| {
+            Ok(records::quarantine(
+                &self.conn,
+                &self.conn.id_key,
+                &record,
+                now,
+            )?)
+        });
         match result {
             Ok((id, new)) => {
                 commit(&self.conn)?;
@@ -265,7 +273,7 @@ impl Inbox {
                 if !self.conn.is_autocommit() {
                     let _ = self.conn.execute_batch("ROLLBACK");
                 }
-                Err(e.into())
+                Err(e)
             }
         }
     }

@@ -307,3 +307,90 @@ fn a_horizon_removed_by_another_connection_during_a_prune_step_deletes_nothing()
     assert_eq!(count(&other, "SELECT count(*) FROM identities"), 3);
     assert!(pruner.pruned_before(scope).unwrap().is_none());
 }
+
+/// Quarantine and conflict records and dead letters written under a clock running behind what retention
+/// accepted, or stamped at 1970 by a gateway that booted without its clock: each is kept its full age from a
+/// time that can be right, not deleted by the first prune once the clock is right.
+#[test]
+fn records_and_dead_letters_stamped_by_a_wrong_clock_are_kept_their_full_age() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let t = now();
+    let right = t + 10 * DAY;
+    {
+        let inbox = Inbox::open(&path, Config::default()).unwrap();
+        inbox
+            .connection()
+            .execute(
+                "INSERT INTO inbox_meta (name, value) VALUES ('clock_seen', ?1) \
+                 ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                [right],
+            )
+            .unwrap();
+    }
+    let mut inbox = Inbox::open(&path, Config::default()).unwrap();
+    let scope = "stamps";
+    inbox
+        .set_retention(
+            scope,
+            &RetentionPolicy::new()
+                .quarantine_and_conflicts(Duration::from_secs(7 * DAY as u64))
+                .dead_letter_payloads(Duration::from_secs(7 * DAY as u64)),
+        )
+        .unwrap();
+    let ok = |_: &mut edge_inbox::Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> { Ok(()) };
+    // Under the clock running ten days behind (`process` reads what retention accepted first).
+    inbox
+        .process(&Delivery::new(scope, "evt-1", "t", b"1"), ok)
+        .unwrap();
+    let conflict = inbox
+        .process(&Delivery::new(scope, "evt-1", "t", b"2"), ok)
+        .unwrap();
+    assert!(matches!(conflict, Outcome::Conflict { .. }), "{conflict:?}");
+    inbox.quarantine(scope, "t", b"bad", "no id").unwrap();
+    inbox
+        .dead_letter(&Delivery::new(scope, "evt-dl", "t", b"3"), "gave up")
+        .unwrap();
+    // And records stamped at 1970.
+    inbox.quarantine(scope, "t2", b"bad", "no id").unwrap();
+    inbox
+        .dead_letter(&Delivery::new(scope, "evt-dl-1970", "t", b"4"), "gave up")
+        .unwrap();
+    inbox
+        .connection()
+        .execute_batch(
+            "UPDATE quarantine SET at = 100, last_at = 100 WHERE topic = 't2';
+             UPDATE messages SET received_at = 100, finished_at = 100 WHERE message_id = 'evt-dl-1970';",
+        )
+        .unwrap();
+
+    // A minute after the accepted clock: nothing is a week old.
+    let report = prune_all(&mut inbox, &Pruning::default().as_of(right + 60));
+    assert_eq!(
+        (
+            report.quarantine_pruned,
+            report.conflicts_pruned,
+            report.dead_letters_pruned
+        ),
+        (0, 0, 0),
+        "{report:?}"
+    );
+    let conn = inbox.connection();
+    assert_eq!(count(conn, "SELECT count(*) FROM quarantine"), 2);
+    assert_eq!(count(conn, "SELECT count(*) FROM conflicts"), 1);
+    assert_eq!(
+        count(conn, "SELECT count(*) FROM messages WHERE state = 3"),
+        2
+    );
+    // A week and more later, they go.
+    let report = prune_all(&mut inbox, &Pruning::default().as_of(right + 60 + 8 * DAY));
+    assert_eq!(
+        (
+            report.quarantine_pruned,
+            report.conflicts_pruned,
+            report.dead_letters_pruned
+        ),
+        (2, 1, 2),
+        "{report:?}"
+    );
+}

@@ -59,6 +59,8 @@ impl Inbox {
         now: i64,
     ) -> Result<Outcome> {
         self.retention.refresh(&self.conn)?;
+        // Stamped never before the clock retention accepted, so that its retention does not delete it early.
+        let now = crate::store::records::stamp(&self.conn, now);
         let rules = self.retention.rules(scope_id);
         let claim = claim_identity(&self.conn, d, scope_id, rules, now)?;
         let rows = claim.rows();

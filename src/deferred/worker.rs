@@ -530,7 +530,8 @@ impl Worker {
         begin(conn)?;
         let result = (|| -> Result<Completion> {
             let now_ms = unix_now_ms();
-            let now = now_ms.div_euclid(1000);
+            // The failure's stamp, never before the clock retention accepted (see `records::stamp`).
+            let now = crate::store::records::stamp(conn, now_ms.div_euclid(1000));
             let owned = conn
                 .prepare_cached(
                     "SELECT 1 FROM messages WHERE seq = ?1 AND lease_owner = ?2 AND claims = ?3 \
@@ -749,7 +750,9 @@ fn apply_claims<H: Handler>(
 ) -> Result<usize> {
     // Read the clock under the write lock, so "lease not expired" is judged at commit time.
     let now_ms = unix_now_ms();
-    let now = now_ms.div_euclid(1000);
+    // Stamps (`finished_at`) never before the clock retention accepted (see `records::stamp`); the lease is
+    // judged by the raw clock, as it was set.
+    let now = crate::store::records::stamp(conn, now_ms.div_euclid(1000));
     let failure = std::cell::Cell::new(None);
     let (mut processed, mut failures, mut dead, mut rows) = (0i64, 0i64, 0i64, 0i64);
     let mut applied = 0;

@@ -253,6 +253,13 @@ impl Inbox {
                 .prepare_cached("SELECT max(seq) FROM (SELECT seq FROM messages WHERE seq > ?1 ORDER BY seq LIMIT ?2)")?
                 .query_row((after, batch), |r| r.get(0))?;
             let Some(upper) = upper else { return Ok((None, Vec::new())) };
+            // A finish stamped before the database could exist came from a wrong clock (a gateway booted at
+            // 1970): it ages from now instead, as identities do, never deleted on the bad time.
+            conn.prepare_cached(
+                "UPDATE messages SET finished_at = ?3 WHERE seq > ?1 AND seq <= ?2 AND state IN (1, 3) \
+                 AND coalesce(finished_at, received_at) < ?4",
+            )?
+            .execute((after, upper, now, clock_floor(conn)?))?;
             // Only states 1 (processed) and 3 (dead-lettered), each after its own age; never 0 or 2.
             let mut stmt = conn.prepare_cached(
                 "DELETE FROM messages AS m WHERE m.seq > ?1 AND m.seq <= ?2 AND m.state IN (1, 3) AND EXISTS ( \

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use crate::inbox::Inbox;
-use crate::retention::{Phase, PruneReport, Pruning};
+use crate::retention::{clock_floor, Phase, PruneReport, Pruning};
 use crate::store::error::Result;
 use crate::store::txn::{begin, commit};
 
@@ -37,6 +37,16 @@ impl Inbox {
                 return Ok(None);
             };
             let cutoff = now.saturating_sub(age.as_secs().min(i64::MAX as u64) as i64);
+            // Stamped before the database could exist by a wrong clock (a gateway booted at 1970): such a
+            // record ages from now instead, as identities do, never deleted on the bad time.
+            let floor = clock_floor(&self.conn)?;
+            for table in ["quarantine", "conflicts"] {
+                self.conn
+                    .prepare_cached(&format!(
+                        "UPDATE {table} SET last_at = ?2 WHERE scope_id = ?1 AND last_at < ?3"
+                    ))?
+                    .execute((scope_id, now, floor))?;
+            }
             // Through the (scope_id, last_at) indexes: only rows that are due are visited.
             let quarantine = self
                 .conn

@@ -9,6 +9,7 @@
 use rusqlite::Connection;
 use xxhash_rust::xxh3::{Xxh3, Xxh3Default};
 
+use crate::store::db::Db;
 use crate::store::identity::{Fingerprint, IdHash, IdKey};
 
 /// Longest reason a quarantine record keeps, in bytes: reasons quote what a publisher sent.
@@ -33,14 +34,22 @@ pub(crate) struct Quarantine<'a> {
     pub(crate) max_topic: usize,
 }
 
+/// The time a record is stamped with: never before the latest clock reading retention accepted
+/// (`clock_seen`), so that a clock running behind cannot make a record look older than it is, and have its
+/// retention delete it early (as identities are dated, `inbox::stored_day`).
+pub(crate) fn stamp(conn: &Db, now: i64) -> i64 {
+    now.max(conn.clock_seen.get())
+}
+
 /// Records a quarantined delivery inside the caller's open transaction and counts it: `quarantined` for every
 /// arrival, `quarantine_records` for a new record. Returns the record's row id and whether it is new.
 pub(crate) fn quarantine(
-    conn: &Connection,
+    conn: &Db,
     key: &IdKey,
     q: &Quarantine<'_>,
     now: i64,
 ) -> rusqlite::Result<(i64, bool)> {
+    let now = stamp(conn, now);
     let record_key = record_key(key, q.identity, q.topic, q.payload);
     let prefix = &q.payload[..q.payload.len().min(QUARANTINE_PREFIX)];
     let (id, arrivals): (i64, i64) = conn
@@ -86,7 +95,8 @@ pub(crate) struct Conflict<'a> {
 /// Records a conflict inside the caller's open transaction: a new row for a new (identity, received content),
 /// else one more arrival on its row. Counts `conflict_records` for a new row; the caller counts the arrival
 /// (`conflicts`) with its other outcomes. True when the record is new.
-pub(crate) fn conflict(conn: &Connection, c: &Conflict<'_>, now: i64) -> rusqlite::Result<bool> {
+pub(crate) fn conflict(conn: &Db, c: &Conflict<'_>, now: i64) -> rusqlite::Result<bool> {
+    let now = stamp(conn, now);
     let arrivals: i64 = conn
         .prepare_cached(
             "INSERT INTO conflicts (scope_id, id_hash, producer, message_id, topic, stored_fingerprint, \
