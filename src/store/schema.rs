@@ -252,15 +252,66 @@ pub(crate) fn open_for_checkpoints(path: &Path, config: &Config) -> Result<Conne
 }
 
 /// Opens an existing inbox read-only (for inspection tools). Refuses a missing file or an unknown schema.
+///
+/// SQLite creates the `-wal` and `-shm` files of an idle inbox even for a read-only connection, owned by
+/// whoever opens it, and leaves them: opened by another user than the file's owner (an operator in its
+/// group), they would keep the owner's consumer from opening its own file. So an idle file (neither exists)
+/// of another owner is opened `immutable`: read as it is on disk, nothing created. A write that begins
+/// meanwhile is not seen (and a checkpoint copying into the file meanwhile could show a torn report); run
+/// the command again, or as the file's owner.
 pub fn open_read_only(path: &Path) -> Result<Connection> {
     must_exist(path)?;
     let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let conn = Connection::open_with_flags(path, flags).map_err(|e| classify_open(e, path))?;
+    let conn = if idle_and_not_ours(path) {
+        let uri = format!("file:{}?immutable=1", uri_path(path));
+        Connection::open_with_flags(uri, flags | OpenFlags::SQLITE_OPEN_URI)
+    } else {
+        Connection::open_with_flags(path, flags)
+    }
+    .map_err(|e| classify_open(e, path))?;
     let version = known_version(&conn, path)?;
     if version == 0 {
         return Err(no_inbox_schema(path));
     }
     Ok(conn)
+}
+
+/// Whether `path` has neither a `-wal` nor a `-shm` beside it and belongs to another user than this
+/// process's (root excepted: SQLite gives the files it creates as root to the database's owner).
+#[cfg(target_os = "linux")]
+fn idle_and_not_ours(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let beside = |suffix: &str| {
+        let mut p = path.as_os_str().to_owned();
+        p.push(suffix);
+        std::path::PathBuf::from(p).exists()
+    };
+    // SAFETY: a plain system call without arguments.
+    let euid = unsafe { libc::geteuid() };
+    euid != 0
+        && std::fs::metadata(path).is_ok_and(|m| m.uid() != euid)
+        && !beside("-wal")
+        && !beside("-shm")
+}
+
+#[cfg(not(target_os = "linux"))]
+fn idle_and_not_ours(_path: &Path) -> bool {
+    false
+}
+
+/// `path` for an SQLite URI: the characters a URI gives a meaning to, percent-encoded.
+fn uri_path(path: &Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = String::new();
+    for &b in path.as_os_str().as_bytes() {
+        match b {
+            b'%' | b'?' | b'#' | b' ' | 0x80..=0xff | 0..=0x1f | 0x7f => {
+                out.push_str(&format!("%{b:02X}"))
+            }
+            _ => out.push(b as char),
+        }
+    }
+    out
 }
 
 /// Refuses a path where nothing is, with the operating system's own reason (missing, or a directory on the
