@@ -167,6 +167,11 @@ impl RetentionPolicy {
     /// producer that republishes under new numbers needs a window that covers how far back it does so, or
     /// identity rows (no watermarks).
     ///
+    /// The watermarks are never pruned: each producer name keeps its row (and up to a window's worth of
+    /// recent rows) for good, and no retention setting removes them. Use them for a known set of producers;
+    /// where publishers choose their producer names freely, identity rows with an
+    /// [identity horizon](Self::identity_horizon) keep the disk bounded instead.
+    ///
     /// Can only be chosen (or changed) while the scope has recorded nothing (no identity, message, quarantined
     /// delivery, conflict or counter, and no identity ever pruned); to switch an existing consumer, start a
     /// versioned scope (`name@2`). A numbered delivery sent before [`Inbox::pruned_before`](crate::Inbox::pruned_before)
