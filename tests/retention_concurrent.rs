@@ -32,11 +32,11 @@ fn consumer_commits_while_pruning_runs() {
         let mut stmt = conn
             .prepare(
                 "INSERT INTO messages (scope_id, id_hash, message_id, topic, payload, state, received_at, finished_at) \
-                 VALUES (?1, ?2, ?3, 'orders', zeroblob(200), 1, 0, 0)",
+                 VALUES (?1, ?2, ?3, 'orders', zeroblob(200), 1, ?4, ?4)",
             )
             .unwrap();
-        // Committed on a day long past, in a database as old (retention re-dates, never prunes, a commit day
-        // before the database existed).
+        // Committed and finished on a day long past, in a database as old (retention re-dates, never prunes,
+        // a time before the database existed).
         let day = edge_inbox::EARLIEST_PLAUSIBLE_TIME / 86_400;
         conn.execute(
             "UPDATE inbox_meta SET value = ?1 WHERE name = 'created_at'",
@@ -49,7 +49,13 @@ fn consumer_commits_while_pruning_runs() {
         for i in 0..n {
             let id = format!("old-{i}");
             let h = setup.id_hash(None, &id);
-            stmt.execute((scope_id, h.as_bytes(), &id)).unwrap();
+            stmt.execute((
+                scope_id,
+                h.as_bytes(),
+                &id,
+                edge_inbox::EARLIEST_PLAUSIBLE_TIME,
+            ))
+            .unwrap();
             ident.execute((scope_id, h.as_bytes(), day)).unwrap();
         }
         drop((stmt, ident));

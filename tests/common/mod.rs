@@ -115,12 +115,20 @@ pub fn old_processed_file(path: &Path, scope: &str, n: usize) {
     let scope_id = setup.scope_id(scope).unwrap();
     setup.scope_id("consumer").unwrap();
     let conn = setup.connection();
+    // Finished long ago, in a file that existed then: retention takes a time before the file's creation
+    // for a wrong clock's, and ages it from the pass instead.
+    const OLD: i64 = edge_inbox::EARLIEST_PLAUSIBLE_TIME;
     conn.execute_batch("BEGIN").unwrap();
+    conn.execute(
+        "UPDATE inbox_meta SET value = ?1 WHERE name = 'created_at'",
+        [OLD],
+    )
+    .unwrap();
     {
         let mut msg = conn
             .prepare(
                 "INSERT INTO messages (scope_id, id_hash, message_id, topic, payload, state, received_at, \
-                 finished_at) VALUES (?1, ?2, ?3, 'orders', zeroblob(120), 1, 0, 0)",
+                 finished_at) VALUES (?1, ?2, ?3, 'orders', zeroblob(120), 1, ?4, ?4)",
             )
             .unwrap();
         let mut ident = conn
@@ -129,7 +137,7 @@ pub fn old_processed_file(path: &Path, scope: &str, n: usize) {
         for i in 0..n {
             let id = format!("evt-{i:010}-xxxxxxxx");
             let h = setup.id_hash(None, &id);
-            msg.execute((scope_id, h.as_bytes(), &id)).unwrap();
+            msg.execute((scope_id, h.as_bytes(), &id, OLD)).unwrap();
             ident.execute((scope_id, h.as_bytes())).unwrap();
         }
     }
