@@ -89,6 +89,30 @@ fn populate(path: &Path) -> Inbox {
     inbox
 }
 
+/// Moves every time stored in the file at `path` `days` back, as if they had passed: `prune --apply` takes no
+/// time ahead of the clock.
+fn days_pass(path: &Path, days: i64) {
+    let secs = days * DAY;
+    edge_inbox::rusqlite::Connection::open(path)
+        .unwrap()
+        .execute_batch(&format!(
+            "UPDATE messages SET received_at = received_at - {secs}, finished_at = finished_at - {secs}, \
+               sent_at = sent_at - {secs}; \
+             UPDATE identities SET day = CASE WHEN day < 0 THEN day + {days} ELSE day - {days} END; \
+             UPDATE quarantine SET at = at - {secs}, last_at = last_at - {secs}; \
+             UPDATE conflicts SET at = at - {secs}, last_at = last_at - {secs}; \
+             UPDATE inbox_meta SET value = value - {secs} WHERE name IN ('created_at', 'clock_seen');"
+        ))
+        .unwrap();
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64
+}
+
 fn scope<'a>(stats: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
     stats["scopes"]
         .as_array()
@@ -355,14 +379,11 @@ fn prune_is_a_dry_run_unless_applied_and_applies_what_it_previewed() {
         )
         .unwrap();
     drop(inbox);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs() as i64;
-    let later = (now + 3 * DAY).to_string();
+    days_pass(&path, 3);
+    let as_of = unix_now().to_string();
 
     let before = json(&path, &["stats"]);
-    let dry = json(&path, &["prune", "--as-of", &later]);
+    let dry = json(&path, &["prune", "--as-of", &as_of]);
     assert_eq!(dry["applied"], false);
     let due = &dry["due"].as_array().unwrap()[0];
     assert_eq!(due["scope"], SCOPE);
@@ -384,7 +405,7 @@ fn prune_is_a_dry_run_unless_applied_and_applies_what_it_previewed() {
         "a dry run writes nothing"
     );
 
-    let applied = json(&path, &["prune", "--apply", "--as-of", &later]);
+    let applied = json(&path, &["prune", "--apply", "--as-of", &as_of]);
     assert_eq!(applied["pruned"]["dead_letters"], 1);
     assert_eq!(applied["pruned"]["identities"], 2);
     let s = json(&path, &["stats", "--scope", SCOPE]);
@@ -392,7 +413,7 @@ fn prune_is_a_dry_run_unless_applied_and_applies_what_it_previewed() {
     assert_eq!(s["identities_retained"], 1);
     assert_eq!(s["identities_pruned"], 2);
     assert_eq!(s["pending"], 1, "the obligation stays");
-    let after = json(&path, &["prune", "--as-of", &later]);
+    let after = json(&path, &["prune", "--as-of", &as_of]);
     assert_eq!(after["due"][0]["identities_due"], 0);
 }
 
@@ -851,13 +872,10 @@ fn prune_deletes_old_quarantine_and_conflict_records_by_the_stored_policy() {
         )
         .unwrap();
     drop(inbox);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs() as i64;
-    let later = (now + 2 * DAY).to_string();
+    days_pass(&path, 2);
+    let as_of = unix_now().to_string();
     let before = scope(&json(&path, &["stats", "--scope", SCOPE]), SCOPE).clone();
-    let dry = json(&path, &["prune", "--as-of", &later]);
+    let dry = json(&path, &["prune", "--as-of", &as_of]);
     let due = &dry["due"].as_array().unwrap()[0];
     assert_eq!(
         (
@@ -871,7 +889,7 @@ fn prune_deletes_old_quarantine_and_conflict_records_by_the_stored_policy() {
         1,
         "a dry run deletes nothing"
     );
-    let applied = json(&path, &["prune", "--apply", "--as-of", &later]);
+    let applied = json(&path, &["prune", "--apply", "--as-of", &as_of]);
     assert_eq!(applied["pruned"]["quarantine_records"], 1);
     assert_eq!(applied["pruned"]["conflict_records"], 1);
     assert!(json_lines(&path, &["quarantine", "--scope", SCOPE]).is_empty());

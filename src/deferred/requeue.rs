@@ -58,6 +58,10 @@ impl Inbox {
     ///
     /// This also covers rows dead-lettered by the strong-case path ([`Inbox::process`] callers), since the
     /// worker restores the identity when it applies them (unless a sequence watermark holds it).
+    ///
+    /// A scope the inbox does not know requeues nothing and returns 0, as [`Inbox::scope_stats`] reads zeros
+    /// for it: a caller that must tell a typo from a scope without dead letters checks the name first
+    /// ([`inspect::scope_exists`](crate::inspect::scope_exists)).
     pub fn requeue_dead_letters(&mut self, scope: &str) -> Result<usize> {
         self.requeue_where(
             "UPDATE messages SET state = 0, attempts = 0, not_before = 0, lease_owner = NULL, lease_until = NULL, \

@@ -7,6 +7,7 @@
 
 use std::path::Path;
 
+use rusqlite::types::ValueRef;
 use rusqlite::{Connection, OptionalExtension, Row};
 use serde::{Serialize, Serializer};
 
@@ -294,6 +295,9 @@ pub struct CheckReport {
     /// Breaches of the inbox's own invariants ([`check_invariants`], leases judged with [`LEASE_BOUND`]),
     /// each named; checked in a file of the current schema version.
     pub breaches: Vec<Breach>,
+    /// Why the invariants were not checked (another schema version, or the check failed; then it is among
+    /// `problems` too); `None` when they were. An empty `breaches` says nothing without them.
+    pub invariants_not_checked: Option<String>,
     /// `PRAGMA user_version`.
     pub schema_version: i64,
     /// The newest schema version this build knows.
@@ -401,6 +405,36 @@ fn u(v: i64) -> u64 {
     v.max(0) as u64
 }
 
+/// Text column `i` of a report's row. Text that is not UTF-8 (written by hand, or by an older build) shows
+/// each bad byte as `\xNN` instead of failing the whole report over one row.
+fn text(r: &Row<'_>, i: usize) -> rusqlite::Result<String> {
+    match r.get_ref(i)? {
+        ValueRef::Text(b) | ValueRef::Blob(b) => Ok(escaped(b)),
+        // NULL or a number: the error reading it as `String` gives.
+        _ => r.get(i),
+    }
+}
+
+/// [`text`] of a column that may be NULL.
+fn text_opt(r: &Row<'_>, i: usize) -> rusqlite::Result<Option<String>> {
+    match r.get_ref(i)? {
+        ValueRef::Null => Ok(None),
+        _ => text(r, i).map(Some),
+    }
+}
+
+/// `b` as text: its UTF-8 as it is, each byte that is not part of valid UTF-8 as `\xNN`.
+fn escaped(b: &[u8]) -> String {
+    let mut out = String::with_capacity(b.len());
+    for chunk in b.utf8_chunks() {
+        out.push_str(chunk.valid());
+        for byte in chunk.invalid() {
+            out.push_str(&format!("\\x{byte:02x}"));
+        }
+    }
+    out
+}
+
 /// Runs `f` inside one read transaction, so that every number it reads belongs to the same snapshot.
 fn snapshot<T, E: From<Error>>(
     conn: &Connection,
@@ -439,7 +473,7 @@ pub fn stats(conn: &Connection, scope: Option<&str>) -> Result<Vec<ScopeReport>>
                 Ok((
                     r.get::<_, i64>(0)?,
                     ScopeReport {
-                        scope: r.get(1)?,
+                        scope: text(r, 1)?,
                         processed: u(r.get(2)?),
                         duplicates: u(r.get(3)?),
                         conflicts: u(r.get(4)?),
@@ -513,20 +547,20 @@ const MESSAGE_COLUMNS: &str = "m.seq, s.name, m.producer, m.message_id, m.topic,
 fn message_row(r: &Row<'_>) -> rusqlite::Result<MessageReport> {
     Ok(MessageReport {
         seq: r.get(0)?,
-        scope: r.get(1)?,
-        producer: r.get(2)?,
-        message_id: r.get(3)?,
-        topic: r.get(4)?,
+        scope: text(r, 1)?,
+        producer: text_opt(r, 2)?,
+        message_id: text(r, 3)?,
+        topic: text(r, 4)?,
         state: MessageState::from_sql(r.get(5)?).map_or("unknown", MessageState::name),
         body_bytes: r.get::<_, Option<i64>>(6)?.map(u),
         attempts: r.get::<_, i64>(7)?.clamp(0, u32::MAX as i64) as u32,
         claims: r.get::<_, i64>(8)?.clamp(0, u32::MAX as i64) as u32,
         sequence: r.get(9)?,
         sent_at: r.get(10)?,
-        order_key: r.get(11)?,
-        lease_owner: r.get(12)?,
+        order_key: text_opt(r, 11)?,
+        lease_owner: text_opt(r, 12)?,
         lease_until_ms: r.get(13)?,
-        last_error: r.get(14)?,
+        last_error: text_opt(r, 14)?,
         received_at: r.get(15)?,
         finished_at: r.get(16)?,
     })
@@ -598,6 +632,16 @@ pub fn identity(
     })
 }
 
+/// True when `scope` names a scope of the inbox (one that ever recorded something, or has a retention
+/// policy). The listings and [`stats`] return nothing for a name that is not one; a tool tells the two apart.
+pub fn scope_exists(conn: &Connection, scope: &str) -> Result<bool> {
+    Ok(conn
+        .prepare_cached("SELECT 1 FROM scopes WHERE name = ?1")?
+        .query_row([scope], |_| Ok(()))
+        .optional()?
+        .is_some())
+}
+
 /// Up to `limit` conflict records, oldest first, of every scope or only `scope`.
 pub fn conflicts(
     conn: &Connection,
@@ -616,10 +660,10 @@ pub fn conflicts(
 fn conflict_row(r: &Row<'_>) -> rusqlite::Result<ConflictReport> {
     Ok(ConflictReport {
         id: r.get(0)?,
-        scope: r.get(1)?,
-        producer: r.get(2)?,
-        message_id: r.get(3)?,
-        topic: r.get(4)?,
+        scope: text(r, 1)?,
+        producer: text_opt(r, 2)?,
+        message_id: text(r, 3)?,
+        topic: text(r, 4)?,
         stored_fingerprint: Fingerprint::from_sql(r.get(5)?).to_string(),
         received_fingerprint: Fingerprint::from_sql(r.get(6)?).to_string(),
         at: r.get(7)?,
@@ -652,11 +696,11 @@ fn quarantine_columns(conn: &Connection) -> Result<&'static str> {
 fn quarantine_row(r: &Row<'_>) -> rusqlite::Result<QuarantineReport> {
     Ok(QuarantineReport {
         id: r.get(0)?,
-        scope: r.get(1)?,
-        topic: r.get(2)?,
+        scope: text_opt(r, 1)?,
+        topic: text(r, 2)?,
         payload_bytes: u(r.get(3)?),
         payload_hash: r.get::<_, Option<Vec<u8>>>(4)?.map(|h| hex(&h)),
-        reason: r.get(5)?,
+        reason: text(r, 5)?,
         at: r.get(6)?,
         last_at: r.get(7)?,
         arrivals: u(r.get(8)?),
@@ -710,7 +754,7 @@ pub fn prune_preview(conn: &Connection, now: i64) -> Result<Vec<PrunePreview>> {
             .query_map([], |r| {
                 Ok((
                     r.get::<_, i64>(0)?,
-                    r.get::<_, String>(1)?,
+                    text(r, 1)?,
                     r.get::<_, Option<i64>>(2)?,
                     r.get::<_, Option<i64>>(3)?,
                     r.get::<_, Option<i64>>(4)?,
@@ -778,14 +822,17 @@ pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
         Ok(lines) => lines.into_iter().filter(|l| l != "ok").collect(),
         Err(e) => vec![format!("integrity_check failed: {e}")],
     };
-    let breaches = if schema_version == SCHEMA_VERSION {
-        let found = snapshot(conn, || check_invariants(conn, unix_now_ms(), LEASE_BOUND));
-        found.unwrap_or_else(|e| {
-            problems.push(format!("the invariant checks failed: {e}"));
-            Vec::new()
-        })
+    let (breaches, invariants_not_checked) = if schema_version == SCHEMA_VERSION {
+        match snapshot(conn, || check_invariants(conn, unix_now_ms(), LEASE_BOUND)) {
+            Ok(found) => (found, None),
+            Err(e) => {
+                problems.push(format!("the invariant checks failed: {e}"));
+                (Vec::new(), Some(e.to_string()))
+            }
+        }
     } else {
-        Vec::new()
+        let why = format!("schema version {schema_version}; checked at {SCHEMA_VERSION} only");
+        (Vec::new(), Some(why))
     };
     // A layout this version does not know is a problem of the file to report, not a reason to stop checking.
     let (id_key, id_order) = match crate::store::schema::id_key(conn) {
@@ -829,6 +876,7 @@ pub fn check(conn: &Connection, max_problems: usize) -> Result<CheckReport> {
         ok,
         problems,
         breaches,
+        invariants_not_checked,
         schema_version,
         supported_schema_version: SCHEMA_VERSION,
         journal_mode,
@@ -867,6 +915,11 @@ pub fn count(conn: &Connection, table: Table) -> Result<u64> {
 
 /// Calls `f` with every row of `table`, in key order, from one snapshot; returns how many. An error from `f`
 /// (writing the row out, say) stops the export and is returned.
+///
+/// `f` runs inside the snapshot's read transaction, and while it lasts no checkpoint can take the WAL back
+/// to its start: consumers on the file grow the WAL for as long as `f` takes. Give it a fast sink (a file),
+/// never one that can stall (a pipe to a reader); `inboxctl export` writes to a temporary file and copies
+/// that to standard output after the snapshot ends.
 pub fn export<E: From<Error>>(
     conn: &Connection,
     table: Table,
@@ -913,7 +966,7 @@ fn export_rows<E>(
                 let mut rows = stmt.query([])?;
                 while let Some(r) = rows.next()? {
                     each(ExportRow::Identity {
-                        scope: r.get(0)?,
+                        scope: text(r, 0)?,
                         id_hash: hex(&r.get::<_, Vec<u8>>(1)?),
                         fingerprint: Fingerprint::from_sql(r.get(2)?).to_string(),
                         day: crate::inbox::commit_day(r.get(3)?),

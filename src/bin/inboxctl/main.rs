@@ -1,7 +1,8 @@
 //! `inboxctl`: look at and repair an edge-inbox database from a shell.
 //!
 //! Exit codes: 0 success; 1 operational error (the file cannot be opened or read, a check found problems, a
-//! requested row does not exist, the database stayed busy); 2 usage error (bad arguments, from clap).
+//! requested row or scope does not exist, the database stayed busy); 2 usage error (bad arguments, from clap,
+//! and a `prune --apply --as-of` time that cannot be right).
 //!
 //! Read-only commands open the file read-only; only `requeue`, `prune --apply` and `downgrade` write, and the
 //! first two refuse a file of an older schema version instead of migrating it.
@@ -51,7 +52,8 @@ enum Command {
         #[arg(long, value_enum)]
         format: Option<StatsFormat>,
         /// Write to this file instead of standard output, replacing it atomically (for node_exporter's
-        /// textfile collector: a scrape never sees half a file).
+        /// textfile collector: a scrape never sees half a file). The database and its -wal and -shm files
+        /// are refused.
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
@@ -84,6 +86,8 @@ enum Command {
         apply: bool,
         /// Judge ages as of this Unix time (seconds) instead of now. A stated time overrides the rule that
         /// refuses to prune after a clock jump of more than 30 days (never the database's creation time).
+        /// With --apply, a time more than a day ahead of this machine's clock (one in milliseconds, say) or
+        /// before 2025 is refused as a usage error.
         #[arg(long)]
         as_of: Option<i64>,
     },
@@ -103,6 +107,10 @@ enum Command {
         to: i64,
     },
     /// Write a table as JSON lines or as a CBOR sequence.
+    ///
+    /// The rows come from one snapshot. While it lasts they go to a file (the new output file, or a
+    /// temporary one copied to standard output after the snapshot ends): a reader of the output that stops
+    /// (a pager) does not keep the snapshot open, which would keep consumers from starting the WAL over.
     Export {
         /// Which table.
         #[arg(long, value_enum)]
@@ -111,7 +119,7 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Format::Jsonl)]
         format: Format,
         /// Output file (default: standard output), created 0600 and replaced atomically; a symlink at the
-        /// path is replaced, never written through.
+        /// path is replaced, never written through. The database and its -wal and -shm files are refused.
         #[arg(short, long)]
         output: Option<PathBuf>,
     },
@@ -188,6 +196,17 @@ fn main() -> ExitCode {
                 .exit();
         }
     }
+    if let Command::Prune {
+        apply: true,
+        as_of: Some(t),
+    } = cli.command
+    {
+        if let Some(why) = implausible_as_of(t, unix_now()) {
+            Cli::command()
+                .error(clap::error::ErrorKind::ValueValidation, why)
+                .exit();
+        }
+    }
     init_logging();
     match run(&cli) {
         Ok(code) => code,
@@ -195,6 +214,49 @@ fn main() -> ExitCode {
             eprintln!("inboxctl: {}", cause_chain(&e));
             ExitCode::from(1)
         }
+    }
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// Why `prune --apply --as-of t` must not run on a machine whose clock reads `now`; `None` when `t` can be
+/// right. The library trusts a stated time, so a typo decides what is deleted: a time far ahead (one in
+/// milliseconds, `$(date +%s)000`) deletes every dated identity and moves the scope's pruned horizon ahead
+/// of every delivery to come, which would then all be quarantined as expired.
+fn implausible_as_of(t: i64, now: i64) -> Option<String> {
+    const DAY: i64 = 86_400;
+    // The value, and its calendar time when it has one (a value in milliseconds is past the year 9999).
+    let stated = match jiff::Timestamp::from_second(t) {
+        Ok(time) => format!("{t} ({time})"),
+        Err(_) => t.to_string(),
+    };
+    if t > now.saturating_add(DAY) {
+        let hint = if t > 100_000_000_000 {
+            format!(
+                " It looks like milliseconds; in Unix seconds it is {}.",
+                t / 1000
+            )
+        } else if now < edge_inbox::EARLIEST_PLAUSIBLE_TIME {
+            " This machine's clock cannot be right: set it first.".to_owned()
+        } else {
+            String::new()
+        };
+        Some(format!(
+            "--as-of {stated} is more than a day ahead of this machine's clock ({}): pruning as of a time to \
+             come deletes what must stay.{hint}",
+            times::rfc3339(now)
+        ))
+    } else if t < edge_inbox::EARLIEST_PLAUSIBLE_TIME {
+        Some(format!(
+            "--as-of {stated} is before {}, before this software existed: it cannot be right",
+            times::rfc3339(edge_inbox::EARLIEST_PLAUSIBLE_TIME)
+        ))
+    } else {
+        None
     }
 }
 
@@ -264,6 +326,17 @@ fn opening(path: &Path, e: Error) -> anyhow::Error {
     }
 }
 
+/// Fails (exit 1) when `scope` is given and names no scope of the inbox: a typo must not read as a scope
+/// with nothing in it.
+fn known_scope(conn: &Connection, path: &Path, scope: Option<&str>) -> anyhow::Result<()> {
+    match scope {
+        Some(s) if !inspect::scope_exists(conn, s)? => {
+            bail!("no scope {s:?} in {}", path.display())
+        }
+        _ => Ok(()),
+    }
+}
+
 /// One JSON document, times as RFC 3339 beside their Unix values.
 fn json_text<T: Serialize>(v: &T) -> anyhow::Result<String> {
     Ok(serde_json::to_string(&times::in_json(
@@ -297,7 +370,9 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Show { what } => show(cli, path, what),
         Command::Conflicts(l) => {
-            let rows = inspect::conflicts(&read_only(path)?, l.scope.as_deref(), l.limit)?;
+            let conn = read_only(path)?;
+            known_scope(&conn, path, l.scope.as_deref())?;
+            let rows = inspect::conflicts(&conn, l.scope.as_deref(), l.limit)?;
             listing(cli, &rows, |c| {
                 format!(
                     "#{} {} {}{} topic {:?}: committed {} received {} at {}{}",
@@ -314,7 +389,9 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             })
         }
         Command::Quarantine(l) => {
-            let rows = inspect::quarantine(&read_only(path)?, l.scope.as_deref(), l.limit)?;
+            let conn = read_only(path)?;
+            known_scope(&conn, path, l.scope.as_deref())?;
+            let rows = inspect::quarantine(&conn, l.scope.as_deref(), l.limit)?;
             listing(cli, &rows, |q| {
                 format!(
                     "#{} {} topic {:?} ({} bytes) at {}{}: {}",
@@ -329,7 +406,9 @@ fn run(cli: &Cli) -> anyhow::Result<ExitCode> {
             })
         }
         Command::DeadLetters(l) => {
-            let rows = inspect::dead_letters(&read_only(path)?, l.scope.as_deref(), l.limit)?;
+            let conn = read_only(path)?;
+            known_scope(&conn, path, l.scope.as_deref())?;
+            let rows = inspect::dead_letters(&conn, l.scope.as_deref(), l.limit)?;
             listing(cli, &rows, |m| {
                 format!(
                     "seq {} {} {}{} topic {:?} attempts {} ({}) at {}: {}",
@@ -404,6 +483,10 @@ fn stats(
     output: Option<&Path>,
 ) -> anyhow::Result<ExitCode> {
     let conn = read_only(path)?;
+    known_scope(&conn, path, scope)?;
+    if let Some(file) = output {
+        output::refuse_database_files(path, file)?;
+    }
     let doc = StatsDoc {
         path: path.display().to_string(),
         scopes: inspect::stats(&conn, scope)?,
@@ -618,7 +701,10 @@ fn requeue(
             }
             1
         }
-        (None, Some(scope)) => inbox.requeue_dead_letters(scope)?,
+        (None, Some(scope)) => {
+            known_scope(inbox.connection(), path, Some(scope))?;
+            inbox.requeue_dead_letters(scope)?
+        }
         (None, None) => unreachable!("clap requires --seq or --scope"),
     };
     if cli.json {
@@ -665,12 +751,20 @@ struct Pruned {
     steps: u64,
 }
 
+/// `Pruning::pause` and `Pruning::idle` as they are by default (the options have no getters).
+const PRUNE_PAUSE: Duration = Duration::from_millis(10);
+const PRUNE_IDLE: u32 = 9;
+
+/// How long to rest after a prune step that took `took`: the rule of `Inbox::prune` (see
+/// `retention/prune.rs`), at least the pause and `PRUNE_IDLE` times the step, so that the pass takes about a
+/// tenth of the disk's time and consumers on the file keep their commit times on slow flash. `took` here
+/// includes the step's own checkpoint, which the library leaves out: a little longer a rest.
+fn prune_rest(took: Duration) -> Duration {
+    PRUNE_PAUSE.max(took.saturating_mul(PRUNE_IDLE))
+}
+
 fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Result<ExitCode> {
-    let now = as_of.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() as i64)
-    });
+    let now = as_of.unwrap_or_else(unix_now);
     let ro = read_only(path)?;
     let due = inspect::prune_preview(&ro, now)?;
     let jump = Pruning::default().get_max_clock_jump();
@@ -705,6 +799,7 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
         };
         let mut busy = 0;
         loop {
+            let started = std::time::Instant::now();
             let step = match inbox.prune_step(&opts) {
                 // A consumer holds the write lock: give it the file and try again, bounded.
                 Err(Error::Busy { .. }) if busy < 100 => {
@@ -727,6 +822,7 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
             if step.done {
                 break;
             }
+            std::thread::sleep(prune_rest(started.elapsed()));
         }
         progress.finish_and_clear();
         doc.pruned = Some(total);
@@ -837,14 +933,13 @@ fn check(cli: &Cli, path: &Path, max_problems: usize) -> anyhow::Result<ExitCode
         for p in &r.problems {
             println!("  {p}");
         }
-        println!(
-            "invariants: {}",
-            if r.breaches.is_empty() {
-                "ok"
-            } else {
-                "BREACHED"
-            }
-        );
+        // No breach found is not "ok" when the checks did not run.
+        let invariants = match &r.invariants_not_checked {
+            Some(why) => format!("NOT CHECKED ({why})"),
+            None if r.breaches.is_empty() => "ok".to_owned(),
+            None => "BREACHED".to_owned(),
+        };
+        println!("invariants: {invariants}");
         for b in &r.breaches {
             println!(
                 "  {} in {}: {} row(s), e.g. {}",
@@ -887,6 +982,9 @@ fn export(
     output: Option<&Path>,
 ) -> anyhow::Result<ExitCode> {
     let conn = read_only(path)?;
+    if let Some(p) = output {
+        output::refuse_database_files(path, p)?;
+    }
     let table = match table {
         ExportTable::Identities => Table::Identities,
         ExportTable::Messages => Table::Messages,
@@ -910,14 +1008,23 @@ fn export(
         })?;
         Ok(n)
     };
+    // The snapshot lasts as long as `rows` writes, and no checkpoint can start the WAL over while it does:
+    // the rows go to a file, never straight to a reader that may stall.
     let n = match output {
-        // Payloads: as private as the database, and never written through a link planted at the path.
+        // Payloads: as private as the database, and never written through a link planted at the path. The
+        // rows go to a new file beside it, renamed over it once the snapshot has ended.
         Some(p) => output::replace_atomically(p, output::PRIVATE, rows)?,
         None => {
-            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-            let n = rows(&mut out)?;
-            out.flush()?;
-            n
+            let mut stdout = std::io::stdout().lock();
+            if output::is_regular_file(&stdout) {
+                // Redirected to a file: as fast as a temporary one, without writing the rows twice.
+                let mut out = std::io::BufWriter::new(stdout);
+                let n = rows(&mut out)?;
+                out.flush()?;
+                n
+            } else {
+                output::spooled(&mut stdout, rows)?
+            }
         }
     };
     progress.finish_and_clear();
@@ -925,4 +1032,43 @@ fn export(
         eprintln!("exported {n} row(s)");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prune_rests_as_the_library_does() {
+        let ms = Duration::from_millis;
+        assert_eq!(prune_rest(Duration::ZERO), ms(10), "at least the pause");
+        assert_eq!(prune_rest(ms(1)), ms(10));
+        assert_eq!(prune_rest(ms(5)), ms(45), "nine times the step");
+        assert_eq!(prune_rest(Duration::MAX), Duration::MAX);
+    }
+
+    #[test]
+    fn a_stated_time_must_be_within_a_day_ahead_and_after_2025() {
+        let now = 1_780_000_000;
+        assert_eq!(implausible_as_of(now, now), None);
+        assert_eq!(implausible_as_of(now + 86_400, now), None);
+        assert_eq!(
+            implausible_as_of(edge_inbox::EARLIEST_PLAUSIBLE_TIME, now),
+            None
+        );
+        let ms = implausible_as_of(now * 1000, now).unwrap();
+        assert!(
+            ms.contains("1780000000000") && ms.contains("milliseconds"),
+            "{ms}"
+        );
+        let ahead = implausible_as_of(now + 86_401, now).unwrap();
+        assert!(
+            ahead.contains("ahead") && !ahead.contains("milliseconds"),
+            "{ahead}"
+        );
+        let early = implausible_as_of(edge_inbox::EARLIEST_PLAUSIBLE_TIME - 1, now).unwrap();
+        assert!(early.contains("before"), "{early}");
+        // A machine that booted at 1970 cannot judge a stated time: it says so.
+        assert!(implausible_as_of(now, 0).unwrap().contains("set it first"));
+    }
 }
