@@ -133,45 +133,38 @@ impl AckGate {
 
     /// [`AckGate::lost`] for rumqttc's MQTT 5 event loop (`connection.eventloop` of a sync client).
     pub fn lost_v5(&self, eventloop: &mut rumqttc::v5::EventLoop) {
-        self.lost(|| self.purge_v5(eventloop));
+        use rumqttc::v5::Event as E;
+        self.lost(|| {
+            eventloop.clean();
+            let written = eventloop
+                .state
+                .events
+                .iter()
+                .filter(|e| matches!(e, E::Outgoing(rumqttc::Outgoing::PubAck(_))))
+                .count();
+            self.0
+                .acks_written
+                .fetch_add(written as u64, Ordering::Relaxed);
+            eventloop.state.events.clear();
+        });
     }
 
     /// [`AckGate::lost`] for rumqttc's MQTT 3.1.1 event loop.
     pub fn lost_v311(&self, eventloop: &mut rumqttc::EventLoop) {
-        self.lost(|| self.purge_v311(eventloop));
-    }
-
-    /// The purge of [`AckGate::lost_v5`]: drops what the event loop still holds, counting the PUBACKs among
-    /// the events it wrote.
-    fn purge_v5(&self, eventloop: &mut rumqttc::v5::EventLoop) {
-        use rumqttc::v5::Event as E;
-        eventloop.clean();
-        let written = eventloop
-            .state
-            .events
-            .iter()
-            .filter(|e| matches!(e, E::Outgoing(rumqttc::Outgoing::PubAck(_))))
-            .count();
-        self.0
-            .acks_written
-            .fetch_add(written as u64, Ordering::Relaxed);
-        eventloop.state.events.clear();
-    }
-
-    /// The purge of [`AckGate::lost_v311`].
-    fn purge_v311(&self, eventloop: &mut rumqttc::EventLoop) {
         use rumqttc::Event as E;
-        eventloop.clean();
-        let written = eventloop
-            .state
-            .events
-            .iter()
-            .filter(|e| matches!(e, E::Outgoing(rumqttc::Outgoing::PubAck(_))))
-            .count();
-        self.0
-            .acks_written
-            .fetch_add(written as u64, Ordering::Relaxed);
-        eventloop.state.events.clear();
+        self.lost(|| {
+            eventloop.clean();
+            let written = eventloop
+                .state
+                .events
+                .iter()
+                .filter(|e| matches!(e, E::Outgoing(rumqttc::Outgoing::PubAck(_))))
+                .count();
+            self.0
+                .acks_written
+                .fetch_add(written as u64, Ordering::Relaxed);
+            eventloop.state.events.clear();
+        });
     }
 
     /// The connection acks may be sent on now, if any.
