@@ -34,6 +34,19 @@ fn backdate_all(conn: &Connection, days: i64) {
     .unwrap();
 }
 
+/// A new inbox at `path` whose retention has accepted a clock reading of `t` (Unix seconds).
+fn clock_seen(path: &std::path::Path, t: i64) {
+    let inbox = Inbox::open(path, Config::default()).unwrap();
+    inbox
+        .connection()
+        .execute(
+            "INSERT INTO inbox_meta (name, value) VALUES ('clock_seen', ?1) \
+             ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+            [t],
+        )
+        .unwrap();
+}
+
 fn horizon(days: i64) -> RetentionPolicy {
     RetentionPolicy::new()
         .identity_horizon(Duration::from_secs((days * DAY) as u64))
@@ -197,17 +210,7 @@ fn identities_committed_by_a_clock_running_behind_are_kept_their_full_horizon() 
     let behind = 10 * DAY;
     let t = now();
     let right = t + behind;
-    {
-        let inbox = Inbox::open(&path, Config::default()).unwrap();
-        inbox
-            .connection()
-            .execute(
-                "INSERT INTO inbox_meta (name, value) VALUES ('clock_seen', ?1) \
-                 ON CONFLICT (name) DO UPDATE SET value = excluded.value",
-                [right],
-            )
-            .unwrap();
-    }
+    clock_seen(&path, right);
     let mut inbox = Inbox::open(&path, Config::default()).unwrap();
     let scope = "behind";
     inbox.set_retention(scope, &horizon(30)).unwrap();
@@ -317,17 +320,7 @@ fn records_and_dead_letters_stamped_by_a_wrong_clock_are_kept_their_full_age() {
     let path = dir.path().join("inbox.db");
     let t = now();
     let right = t + 10 * DAY;
-    {
-        let inbox = Inbox::open(&path, Config::default()).unwrap();
-        inbox
-            .connection()
-            .execute(
-                "INSERT INTO inbox_meta (name, value) VALUES ('clock_seen', ?1) \
-                 ON CONFLICT (name) DO UPDATE SET value = excluded.value",
-                [right],
-            )
-            .unwrap();
-    }
+    clock_seen(&path, right);
     let mut inbox = Inbox::open(&path, Config::default()).unwrap();
     let scope = "stamps";
     inbox

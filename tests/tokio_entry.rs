@@ -429,6 +429,26 @@ fn held_until(
     }
 }
 
+/// A commit thread over a new inbox at `db`, a budget of 4 KiB, a handler held until the flag is set, and
+/// acks recorded.
+fn held_core(
+    db: &Path,
+) -> (
+    edge_inbox::Feed,
+    edge_inbox::CommitThread,
+    Arc<AtomicBool>,
+    common::SentAcks,
+) {
+    let inbox = Inbox::open(db, Config::default()).unwrap();
+    let released = Arc::new(AtomicBool::new(false));
+    let sent = common::SentAcks::default();
+    let (feed, commits) = ConsumerCore::new(inbox, SCOPE)
+        .memory_budget(4 << 10)
+        .spawn(held_until(&released), sent.clone(), 100)
+        .unwrap();
+    (feed, commits, released, sent)
+}
+
 fn command(i: u16) -> Inbound {
     Inbound::new("cmd/a", vec![b'x'; 1024]).with_user_property("message-id", format!("m-{i}"))
 }
@@ -454,13 +474,7 @@ async fn fill_budget(feed: &mut AsyncFeed) -> u16 {
 #[test]
 fn calls_dropped_behind_a_waiting_event_still_hand_theirs_over_in_order() {
     let dir = tempfile::tempdir().unwrap();
-    let inbox = Inbox::open(dir.path().join("dropped.db"), Config::default()).unwrap();
-    let released = Arc::new(AtomicBool::new(false));
-    let sent = common::SentAcks::default();
-    let (feed, commits) = ConsumerCore::new(inbox, SCOPE)
-        .memory_budget(4 << 10)
-        .spawn(held_until(&released), sent.clone(), 100)
-        .unwrap();
+    let (feed, commits, released, sent) = held_core(&dir.path().join("dropped.db"));
     let last = current_thread().block_on(async move {
         let mut feed = AsyncFeed::new(feed);
         feed.connected(false).await.unwrap();
@@ -491,13 +505,7 @@ fn calls_dropped_behind_a_waiting_event_still_hand_theirs_over_in_order() {
 #[test]
 fn connection_calls_dropped_unpolled_still_take_effect_in_order() {
     let dir = tempfile::tempdir().unwrap();
-    let inbox = Inbox::open(dir.path().join("unpolled.db"), Config::default()).unwrap();
-    let released = Arc::new(AtomicBool::new(false));
-    let sent = common::SentAcks::default();
-    let (feed, commits) = ConsumerCore::new(inbox, SCOPE)
-        .memory_budget(4 << 10)
-        .spawn(held_until(&released), sent.clone(), 100)
-        .unwrap();
+    let (feed, commits, released, sent) = held_core(&dir.path().join("unpolled.db"));
     let summary = current_thread().block_on(async move {
         let mut feed = AsyncFeed::new(feed);
         let first = feed.connected(false).await.unwrap();
