@@ -356,17 +356,7 @@ fn a_lost_call_dropped_before_it_returns_still_ends_the_connection_at_the_gate()
     let dir = tempfile::tempdir().unwrap();
     let inbox = Inbox::open(dir.path().join("lost.db"), Config::default()).unwrap();
     let released = Arc::new(AtomicBool::new(false));
-    let handler = {
-        let released = released.clone();
-        move |tx: &mut Tx<'_>, d: &Delivery<'_>| {
-            // Bounded: a test that fails still ends.
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while !released.load(Ordering::SeqCst) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            count(tx, d)
-        }
-    };
+    let handler = held_until(&released);
     let options = rumqttc::v5::MqttOptions::new("never-connected", "127.0.0.1", 1);
     let (client, _eventloop) = rumqttc::v5::AsyncClient::new(options, 10);
     let (feed, commits) = ConsumerCore::new(inbox, SCOPE)
