@@ -152,9 +152,10 @@
 //! statement fails with `SQLITE_CONSTRAINT_COMMITHOOK`): only the inbox's own `COMMIT`, after the handler
 //! returned, can commit. A commit hook, not a check of `is_autocommit` around each call, because such a
 //! check comes after the statement has already committed. Once the transaction is gone every further call
-//! through [`Tx`] fails at once, and the call (process, batch, worker) fails with
-//! [`Error::HandlerEndedTransaction`]: nothing committed, nothing to ack. The same holds for [`Tx::publish`]
-//! and the deferred [`Worker`]. Outside the transaction, `PRAGMA synchronous` and `PRAGMA journal_mode` would
+//! through [`Tx`] fails at once, and the call (process, batch) fails with
+//! [`Error::HandlerEndedTransaction`]: nothing committed, nothing to ack. The same holds for [`Tx::publish`].
+//! The deferred [`Worker`] commits nothing of it either, and counts the message whose handler ended the
+//! transaction a failed attempt (dead-lettered at the last). Outside the transaction, `PRAGMA synchronous` and `PRAGMA journal_mode` would
 //! take effect for every later commit; after such a call the next transaction sets both again and reads them
 //! back before it begins.
 //!
