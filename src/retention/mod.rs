@@ -364,6 +364,13 @@ impl Pruning {
         self
     }
 
+    /// How long [`Inbox::prune`](crate::Inbox::prune) rests after a step that took `took`: the
+    /// [pause](Self::pause), or [`idle`](Self::idle) times the step when that is longer. For a tool that runs
+    /// [`Inbox::prune_step`](crate::Inbox::prune_step) itself and must pace it the same way.
+    pub fn rest_after(&self, took: Duration) -> Duration {
+        self.pause.max(took.saturating_mul(self.idle))
+    }
+
     /// Judge ages as if the time were `unix_seconds` instead of the clock (tools and tests).
     pub fn as_of(mut self, unix_seconds: i64) -> Self {
         self.as_of = Some(unix_seconds);

@@ -175,7 +175,7 @@ impl Inbox {
             // Leave the disk and the write lock to consumers most of the time: idle at least `idle` times as
             // long as the step took (its I/O competes with their fsyncs even after the lock is released).
             let took = started.elapsed().saturating_sub(self.retention.unpaced);
-            let rest = opts.pause.max(took * opts.idle);
+            let rest = opts.rest_after(took);
             if !rest.is_zero() {
                 std::thread::sleep(rest);
             }

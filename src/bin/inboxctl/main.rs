@@ -751,16 +751,12 @@ struct Pruned {
     steps: u64,
 }
 
-/// `Pruning::pause` and `Pruning::idle` as they are by default (the options have no getters).
-const PRUNE_PAUSE: Duration = Duration::from_millis(10);
-const PRUNE_IDLE: u32 = 9;
-
-/// How long to rest after a prune step that took `took`: the rule of `Inbox::prune` (see
-/// `retention/prune.rs`), at least the pause and `PRUNE_IDLE` times the step, so that the pass takes about a
-/// tenth of the disk's time and consumers on the file keep their commit times on slow flash. `took` here
-/// includes the step's own checkpoint, which the library leaves out: a little longer a rest.
+/// How long to rest after a prune step that took `took`: the rule of `Inbox::prune`
+/// ([`Pruning::rest_after`] with the default options), so that the pass takes about a tenth of the disk's
+/// time and consumers on the file keep their commit times on slow flash. `took` here includes the step's own
+/// checkpoint, which the library leaves out: a little longer a rest.
 fn prune_rest(took: Duration) -> Duration {
-    PRUNE_PAUSE.max(took.saturating_mul(PRUNE_IDLE))
+    Pruning::default().rest_after(took)
 }
 
 fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Result<ExitCode> {
