@@ -278,16 +278,22 @@ fn empty_payload_is_stored_and_processed_not_mistaken_for_pruned() {
     assert_eq!(seen, Some((0, Some(7), Some(1_700_000_000))));
 }
 
+/// The inbox at `path`, its scope deduplicating numbered deliveries by sequence watermarks from 1.
+fn open_watermarked(path: &std::path::Path) -> edge_inbox::Inbox {
+    let mut inbox = open(path);
+    inbox
+        .set_retention(SCOPE, &RetentionPolicy::new().sequence_watermarks(1))
+        .unwrap();
+    inbox
+}
+
 /// A body kept pending or dead-lettered after its sequence left the watermark window has no identity of its
 /// own. The same id arriving again with a new sequence meets the body, and is compared with it by content: a
 /// conflict is recorded and answered as one (again at its next arrival), the same content is a duplicate.
 #[test]
 fn an_open_body_past_the_watermark_window_is_compared_by_content() {
     let dir = tempfile::tempdir().unwrap();
-    let mut inbox = open(&dir.path().join("inbox.db"));
-    inbox
-        .set_retention(SCOPE, &RetentionPolicy::new().sequence_watermarks(1))
-        .unwrap();
+    let mut inbox = open_watermarked(&dir.path().join("inbox.db"));
     let numbered = |id: &'static str, producer: &'static str, seq: u64, payload: &'static [u8]| {
         Delivery::new(SCOPE, id, "orders/1", payload)
             .with_producer(producer)
@@ -431,10 +437,7 @@ fn drain_scope(path: &std::path::Path, scope: &str) -> usize {
 fn draining_a_watermark_scope_adds_no_identity_rows_and_redeliveries_stay_duplicates() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
-    let mut inbox = open(&path);
-    inbox
-        .set_retention(SCOPE, &RetentionPolicy::new().sequence_watermarks(1))
-        .unwrap();
+    let mut inbox = open_watermarked(&path);
     let ids: Vec<String> = (1..=20).map(|i| format!("evt-{i}")).collect();
     let unnumbered = |i: u64| {
         let id = ids[i as usize - 1].as_str();
@@ -480,10 +483,7 @@ fn draining_a_watermark_scope_adds_no_identity_rows_and_redeliveries_stay_duplic
 fn a_body_past_the_watermark_window_keeps_its_identity_through_the_worker() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("inbox.db");
-    let mut inbox = open(&path);
-    inbox
-        .set_retention(SCOPE, &RetentionPolicy::new().sequence_watermarks(1))
-        .unwrap();
+    let mut inbox = open_watermarked(&path);
     let ids: Vec<String> = (1..=200).map(|i| format!("m{i}")).collect();
     for (i, id) in (1..=200u64).zip(&ids) {
         let d = Delivery::new(SCOPE, id, "orders/1", b"z")

@@ -32,6 +32,18 @@ fn drain(
     total
 }
 
+/// The attempts recorded for message `id`.
+fn attempts_of(inbox: &edge_inbox::Inbox, id: &str) -> i64 {
+    inbox
+        .connection()
+        .query_row(
+            "SELECT attempts FROM messages WHERE message_id = ?1",
+            [id],
+            |r| r.get(0),
+        )
+        .unwrap()
+}
+
 #[test]
 fn live_lease_is_exclusive_and_expired_lease_is_reclaimed_and_stale_commit_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -187,14 +199,7 @@ fn poison_message_is_dead_lettered_after_max_attempts_and_requeue_processes_it_o
     poisoned = false;
     assert_eq!(inbox.requeue_dead_letters(SCOPE).unwrap(), 1);
     assert_eq!(inbox.requeue_dead_letters(SCOPE).unwrap(), 0);
-    let attempts: i64 = inbox
-        .connection()
-        .query_row(
-            "SELECT attempts FROM messages WHERE message_id = 'm-3'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let attempts = attempts_of(&inbox, "m-3");
     assert_eq!(attempts, 0);
     let mut handler = |tx: &mut Tx<'_>, d: &Delivery<'_>| -> anyhow::Result<()> {
         assert!(!poisoned);
@@ -821,13 +826,6 @@ fn a_dead_letter_requeued_while_a_later_message_of_its_key_is_leased_runs_first(
     assert!(matches!(done_b[..], [Completion::Processed]), "{done_b:?}");
     assert_eq!(drained.processed, 1);
     assert_eq!(states(&inbox), [0, 2, 0, 0]);
-    let attempts: i64 = inbox
-        .connection()
-        .query_row(
-            "SELECT attempts FROM messages WHERE message_id = 'k-2'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let attempts = attempts_of(&inbox, "k-2");
     assert_eq!(attempts, 0, "giving way is not a failure");
 }
