@@ -530,8 +530,8 @@ fn an_unknown_scope_is_an_error_naming_it() {
     assert_eq!(json(&path, &["requeue", "--scope", SCOPE])["requeued"], 1);
 }
 
-/// Text that is not UTF-8 in a scope name (written by hand, or by an older build) is shown escaped in the
-/// reports instead of failing them, and `check` says when the invariants could not be checked.
+/// Text that is not UTF-8 in a scope name or a message id (written by hand, or by an older build) is shown
+/// escaped in the reports, `check`'s breaches too, instead of failing them.
 #[test]
 fn text_that_is_not_utf8_is_reported_escaped() {
     let dir = tempfile::tempdir().unwrap();
@@ -565,7 +565,8 @@ fn text_that_is_not_utf8_is_reported_escaped() {
     let ids = ok(&path, &["export", "--table", "identities"]);
     assert!(ids.contains(r#""scope":"bad\\xff""#), "{ids}");
 
-    // A breach in that scope: the invariant checks cannot read its name, which `check` must not call "ok".
+    // A breach in that scope, and a message id that is not UTF-8 either: `check` names the breach with
+    // both escaped instead of leaving the invariants unchecked.
     let conn = Connection::open(&path).unwrap();
     conn.execute(
         "UPDATE scope_stats SET identity_offset = identity_offset + 100 \
@@ -573,13 +574,34 @@ fn text_that_is_not_utf8_is_reported_escaped() {
         [],
     )
     .unwrap();
+    conn.execute(
+        "UPDATE messages SET message_id = CAST(x'6964fe' AS TEXT), id_hash = x'00' \
+         WHERE seq = (SELECT min(seq) FROM messages \
+           WHERE scope_id = (SELECT id FROM scopes WHERE name = CAST(x'626164ff' AS TEXT)))",
+        [],
+    )
+    .unwrap();
     drop(conn);
     let out = inboxctl(&path, &["check"]);
     let said = text(&out);
     assert_eq!(out.status.code(), Some(1), "{said}");
-    assert!(said.contains("invariants: NOT CHECKED ("), "{said}");
-    assert!(!said.contains("invariants: ok"), "{said}");
+    assert!(said.contains("integrity: ok"), "{said}");
+    assert!(said.contains("invariants: BREACHED"), "{said}");
+    assert!(
+        said.contains(&format!("counters_disagree in scope {bad:?}")),
+        "{said}"
+    );
+    assert!(said.contains("message_without_identity in scope"), "{said}");
+    assert!(said.contains(r"'id\xfe'"), "{said}");
     let out = inboxctl(&path, &["--json", "check"]);
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert!(doc["invariants_not_checked"].is_string(), "{doc}");
+    assert!(doc["invariants_not_checked"].is_null(), "{doc}");
+    let names: Vec<&str> = doc["breaches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["scope"] == bad)
+        .map(|b| b["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"counters_disagree"), "{doc}");
 }

@@ -59,9 +59,10 @@ pub fn check_invariants(
         let rows = stmt.query_map(params, |r| {
             Ok(Breach {
                 name,
-                scope: r.get(0)?,
+                // Escaped, so that one name that is not UTF-8 does not hide every breach.
+                scope: super::text_opt(r, 0)?,
                 count: r.get::<_, i64>(1)?.max(0) as u64,
-                example: r.get(2)?,
+                example: super::text(r, 2)?,
             })
         })?;
         for b in rows {
