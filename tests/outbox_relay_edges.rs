@@ -257,8 +257,74 @@ fn a_row_the_brokers_connack_rules_out_is_parked_and_the_rest_go_on() {
     );
 }
 
+/// A proxy on 127.0.0.1 that hands each chunk the broker sends on only after `delay`: a link with a long
+/// round trip (a cellular uplink, a TLS handshake far away). Client to broker goes straight through.
+fn slow_link(upstream: u16, delay: Duration) -> u16 {
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { return };
+            let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                continue;
+            };
+            let (mut c_in, mut s_out) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 16384];
+                while let Ok(n) = c_in.read(&mut buf) {
+                    if n == 0 || s_out.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = s_out.shutdown(Shutdown::Both);
+            });
+            let (mut s_in, mut c_out) = (server, client);
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 16384];
+                while let Ok(n) = s_in.read(&mut buf) {
+                    std::thread::sleep(delay);
+                    if n == 0 || c_out.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = c_out.shutdown(Shutdown::Both);
+            });
+        }
+    });
+    port
+}
+
+/// A broker whose CONNACK takes 150 ms to arrive: the relay still connects and sends (its poll once gave up
+/// every connection attempt after 100 ms and started a new one, for ever).
+fn a_relay_connects_over_a_link_slower_than_its_poll_interval() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let sub = Subscriber::start(broker.port, "edges-sub-slow", "stock/slow/#");
+    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
+    commit(&mut inbox, "stock/slow/x", &[b"a".to_vec(), b"b".to_vec()]);
+    let port = slow_link(broker.port, Duration::from_millis(150));
+    let relay = relay(&db, port, "edges-relay-slow");
+    let sent = common::wait_for(Duration::from_secs(30), || {
+        let b = inbox.outbox_backlog().unwrap();
+        (b.pending == 0 && b.sent == 2 && sub.count() >= 2).then_some(())
+    });
+    let stats = relay.stop();
+    assert!(sent.is_some(), "{:?} {stats:?}", inbox.outbox_backlog());
+    assert_eq!(stats.connections, 1, "{stats:?}");
+    let payloads: Vec<Vec<u8>> = sub.got().into_iter().map(|g| g.payload).collect();
+    assert_eq!(payloads, [b"a".to_vec(), b"b".to_vec()]);
+}
+
 fn main() {
     broker::run_tests(&[
+        (
+            "a_relay_connects_over_a_link_slower_than_its_poll_interval",
+            a_relay_connects_over_a_link_slower_than_its_poll_interval,
+            Needs::AnyBroker,
+        ),
         (
             "a_row_the_brokers_connack_rules_out_is_parked_and_the_rest_go_on",
             a_row_the_brokers_connack_rules_out_is_parked_and_the_rest_go_on,

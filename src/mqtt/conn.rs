@@ -437,8 +437,10 @@ impl Backoff {
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// The next event, or `None` when the poll thread should end: every client is gone, or a stop has waited
-/// its grace for the DISCONNECT to be written and the broker to close the connection.
-fn next_event<T, E>(
+/// its grace for the DISCONNECT to be written and the broker to close the connection. Until a stop it blocks:
+/// rumqttc's `recv_timeout` drops its poll when the time is up, and with it a connection attempt under way (a
+/// handshake slower than the timeout would never end) or a packet half written.
+pub(crate) fn next_event<T, E>(
     stopping_since: &mut Option<std::time::Instant>,
     stop: &AtomicBool,
     recv: impl FnOnce(Option<Duration>) -> Option<Result<T, E>>,

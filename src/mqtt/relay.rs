@@ -11,7 +11,7 @@ use rumqttc::v5::mqttbytes::v5::{PubAckReason, Publish, PublishProperties};
 use rumqttc::v5::mqttbytes::QoS as Q5;
 
 use crate::inbox::Inbox;
-use crate::mqtt::conn::{MqttConfig, Protocol};
+use crate::mqtt::conn::{next_event, MqttConfig, Protocol};
 use crate::mqtt::consumer::StopHandle;
 use crate::outbox::Qos;
 use crate::store::error::{Error, Result};
@@ -314,8 +314,9 @@ impl Link {
     }
 
     fn close(mut self) {
-        let _ = self.client.try_disconnect();
+        // The flag first: the poll thread, woken by the DISCONNECT, then waits no longer than its grace.
         self.stop.store(true, Ordering::SeqCst);
+        let _ = self.client.try_disconnect();
         if let Some(p) = self.poller.take() {
             let _ = p.join();
         }
@@ -325,9 +326,15 @@ impl Link {
 fn poll(mut conn: rumqttc::v5::Connection, tx: Sender<RelayEvent>, stop: Arc<AtomicBool>) {
     use rumqttc::v5::{Event as E, Incoming as Packet};
     use rumqttc::Outgoing;
+    let mut stopping_since = None;
     loop {
-        let event = match conn.recv_timeout(Duration::from_millis(100)) {
-            Ok(Ok(E::Incoming(Packet::ConnAck(ack)))) => {
+        let next = next_event(&mut stopping_since, &stop, |wait| match wait {
+            None => conn.recv().ok(),
+            Some(d) => conn.recv_timeout(d).ok(),
+        });
+        let Some(next) = next else { return };
+        let event = match next {
+            Ok(E::Incoming(Packet::ConnAck(ack))) => {
                 let p = ack.properties.as_ref();
                 RelayEvent::Connected(Allowed {
                     max_packet: p.and_then(|p| p.max_packet_size),
@@ -335,29 +342,22 @@ fn poll(mut conn: rumqttc::v5::Connection, tx: Sender<RelayEvent>, stop: Arc<Ato
                     max_qos: p.and_then(|p| p.max_qos).unwrap_or(2),
                 })
             }
-            Ok(Ok(E::Outgoing(Outgoing::Publish(pkid)))) => RelayEvent::Published(pkid),
-            Ok(Ok(E::Incoming(Packet::PubAck(ack)))) => RelayEvent::PubAck {
+            Ok(E::Outgoing(Outgoing::Publish(pkid))) => RelayEvent::Published(pkid),
+            Ok(E::Incoming(Packet::PubAck(ack))) => RelayEvent::PubAck {
                 pkid: ack.pkid,
                 ok: matches!(
                     ack.reason,
                     PubAckReason::Success | PubAckReason::NoMatchingSubscribers
                 ),
             },
-            Ok(Ok(_)) => continue,
-            Ok(Err(e)) => {
+            Ok(_) => continue,
+            Err(e) => {
                 // A fresh link is opened for the next attempt; this one is done.
                 let _ = tx.send(RelayEvent::Lost(e.to_string()));
                 return;
             }
-            Err(rumqttc::v5::RecvTimeoutError::Timeout) => {
-                if stop.load(Ordering::Relaxed) {
-                    return;
-                }
-                continue;
-            }
-            Err(rumqttc::v5::RecvTimeoutError::Disconnected) => return,
         };
-        if tx.send(event).is_err() || stop.load(Ordering::Relaxed) {
+        if tx.send(event).is_err() {
             return;
         }
     }
