@@ -614,6 +614,26 @@ impl Inbox {
         .transpose()
     }
 
+    /// Makes the rows the relay has read durable before it publishes them: a sync of the WAL, which began after
+    /// their commits, so it covers them. A writer that commits without a sync of its own (commits overlapping
+    /// their syncs, or `Synchronous::Normal`) has rows in the WAL a power cut can still take back, and with
+    /// them the effect they came with; a message already published for such a row would then be one the
+    /// gateway never made. When the writer synced them, the file has nothing left to write and the sync is
+    /// short.
+    ///
+    /// A failed sync is handled as the inbox's own (the WAL is written out again before anything more is
+    /// published): the kernel may have marked the lost pages clean, so a second sync alone would not prove
+    /// them.
+    pub(crate) fn outbox_make_durable(&mut self) -> Result<()> {
+        self.conn.write_out_unsynced_wal()?;
+        if let Err(e) = crate::store::wal_sync::sync_wal(&self.conn) {
+            self.conn
+                .note_wal_sync_failed(e.sqlite_code().unwrap_or(-1));
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// Marks rows sent, in one transaction. Losing the mark (a crash before it commits) only sends the rows
     /// again, which receivers deduplicate.
     pub(crate) fn outbox_mark_sent(&mut self, seqs: &[i64]) -> Result<()> {

@@ -5,13 +5,19 @@
 mod broker;
 mod common;
 mod outbox_support;
+#[path = "../examples/support/wrap_vfs.rs"]
+mod wrap_vfs;
 
+use std::ffi::c_int;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use broker::{Broker, Needs};
+use edge_inbox::rusqlite::ffi;
 use edge_inbox::{
-    Config, Delivery, Inbox, MqttConfig, OutboxProperties, Qos, Relay, RelayConfig, Tx,
+    Config, Delivery, Inbox, MqttConfig, OutboxProperties, Qos, Relay, RelayConfig, Synchronous, Tx,
 };
 use outbox_support::Subscriber;
 
@@ -318,8 +324,86 @@ fn a_relay_connects_over_a_link_slower_than_its_poll_interval() {
     assert_eq!(payloads, [b"a".to_vec(), b"b".to_vec()]);
 }
 
+const HELD_VFS: &str = "edge-inbox-relay-held-syncs";
+/// While set, a sync of a WAL from a relay thread waits (a card that has not finished the sync yet).
+static HOLD_RELAY_SYNCS: AtomicBool = AtomicBool::new(false);
+
+struct HeldSyncs;
+
+impl wrap_vfs::Observer for HeldSyncs {
+    fn open(&self, name: Option<&str>, flags: c_int) -> Option<usize> {
+        (name.is_some() && flags & ffi::SQLITE_OPEN_WAL != 0).then_some(0)
+    }
+
+    fn sync(&self, _tag: usize, real: &mut dyn FnMut() -> c_int) -> c_int {
+        let relay = std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("outbox-relay-"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while relay
+            && HOLD_RELAY_SYNCS.load(Ordering::SeqCst)
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        real()
+    }
+}
+
+/// Rows committed without a sync of their own (a writer at `Synchronous::Normal`; commits overlapping their
+/// syncs are the same on the disk) are published only once a sync covering them ended: a power cut before it
+/// would take back the effect, and the message would be one the gateway never made.
+fn rows_committed_without_a_sync_are_published_only_after_one() {
+    static REGISTER: Once = Once::new();
+    REGISTER.call_once(|| wrap_vfs::register(HELD_VFS, Arc::new(HeldSyncs), false));
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let sub = Subscriber::start(broker.port, "edges-sub-durable", "stock/durable/#");
+    let config = Config::default().vfs(HELD_VFS);
+    let mut inbox = Inbox::open(&db, config.clone().synchronous(Synchronous::Normal)).unwrap();
+    commit(
+        &mut inbox,
+        "stock/durable/x",
+        &[b"a".to_vec(), b"b".to_vec()],
+    );
+
+    HOLD_RELAY_SYNCS.store(true, Ordering::SeqCst);
+    let relay = Relay::start_with(
+        Inbox::open(&db, config).unwrap(),
+        MqttConfig::new("127.0.0.1", broker.port, "edges-relay-durable"),
+        RelayConfig::default().max_backoff(Duration::from_millis(200)),
+    )
+    .unwrap();
+    let connected = common::wait_for(Duration::from_secs(30), || {
+        (relay.stats().connections == 1).then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let early = (sub.count(), relay.stats());
+    HOLD_RELAY_SYNCS.store(false, Ordering::SeqCst);
+    assert!(connected.is_some(), "{:?}", relay.stats());
+    assert_eq!(
+        early.0, 0,
+        "published before a sync covered the rows: {:?}",
+        early.1
+    );
+    assert_eq!(early.1.published, 0, "{:?}", early.1);
+
+    let sent = common::wait_for(Duration::from_secs(30), || {
+        let b = inbox.outbox_backlog().unwrap();
+        (b.pending == 0 && b.sent == 2 && sub.count() >= 2).then_some(())
+    });
+    let stats = relay.stop();
+    assert!(sent.is_some(), "{:?} {stats:?}", inbox.outbox_backlog());
+}
+
 fn main() {
     broker::run_tests(&[
+        (
+            "rows_committed_without_a_sync_are_published_only_after_one",
+            rows_committed_without_a_sync_are_published_only_after_one,
+            Needs::AnyBroker,
+        ),
         (
             "a_relay_connects_over_a_link_slower_than_its_poll_interval",
             a_relay_connects_over_a_link_slower_than_its_poll_interval,

@@ -115,6 +115,11 @@ pub struct RelayStats {
 /// Unix seconds as a decimal string, the same on every resend), and marks a row sent only after the
 /// broker's PUBACK for it.
 ///
+/// - **Durable first.** A row is published only after a sync of the WAL that began after its commit: a writer
+///   that commits without a sync of its own (commits overlapping their syncs on a slow card, or
+///   [`Synchronous::Normal`](crate::Synchronous)) could lose the row, and the effect it came with, at a power
+///   cut, and the message would then be one the gateway never made. One sync per batch of rows read; short
+///   when the writer has synced them already.
 /// - **At least once, stable id.** A crash or a lost connection between the publish and the mark leaves
 ///   the row pending; the next connection (or the next relay, after a restart) sends it again with the same
 ///   message id, which an edge-inbox consumer downstream deduplicates. Rows are never marked before their
@@ -598,6 +603,15 @@ impl RelayLoop {
                 return Ok(());
             }
         };
+        if rows.is_empty() {
+            return Ok(());
+        }
+        // Nothing is published before the commit that wrote it is on the disk.
+        if let Err(e) = self.inbox.outbox_make_durable() {
+            self.bump(|s| s.storage_errors += 1);
+            log::warn!("outbox relay cannot sync the outbox's new rows: {e}; retrying");
+            return Ok(());
+        }
         for row in rows {
             let mut props = PublishProperties {
                 user_properties: Vec::with_capacity(row.properties.user_properties.len() + 2),
