@@ -95,7 +95,7 @@ impl OutboxProperties {
         self
     }
 
-    /// Sets the response topic.
+    /// Sets the response topic: a plain topic name, without wildcards (`Tx::publish` refuses one with them).
     pub fn response_topic(mut self, topic: impl Into<String>) -> Self {
         self.response_topic = Some(topic.into());
         self
@@ -287,6 +287,15 @@ fn validate(
         if let Some(found) = unsendable(v) {
             return Err(invalid(format!(
                 "{what} contains {found}, which brokers refuse"
+            )));
+        }
+    }
+    // A topic name like the publish topic (MQTT-3.3.2-14): a broker closes the connection on a wildcard there,
+    // at every resend.
+    if let Some(t) = properties.response_topic.as_deref() {
+        if t.is_empty() || t.contains(['+', '#']) {
+            return Err(invalid(format!(
+                "response topic {t:?} is empty or contains a wildcard; it must be a plain topic name"
             )));
         }
     }

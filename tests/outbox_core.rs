@@ -208,6 +208,18 @@ fn invalid_messages_are_refused_with_clear_errors_and_roll_back() {
         (
             "stock",
             vec![],
+            OutboxProperties::new().response_topic("replies/+"),
+            "response topic \"replies/+\" is empty or contains a wildcard",
+        ),
+        (
+            "stock",
+            vec![],
+            OutboxProperties::new().response_topic(""),
+            "response topic \"\" is empty",
+        ),
+        (
+            "stock",
+            vec![],
             OutboxProperties::new().user_property("note", "a\0b"),
             "contains NUL",
         ),
