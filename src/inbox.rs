@@ -152,12 +152,16 @@ impl Inbox {
     ///
     /// It is handed out at the configured `synchronous` level: if a consumer could not put the level back
     /// after its commits that left their syncs to the sync thread, this tries again (and logs a failure).
+    /// A `synchronous` level or journal mode changed through it holds until the inbox's next write
+    /// transaction, which sets both again and reads them back.
     pub fn connection(&self) -> &Connection {
         if self.conn.is_autocommit() {
             if let Err(e) = self.conn.prepare_level() {
                 log::warn!("cannot restore the inbox's synchronous level: {e}");
             }
         }
+        // Whatever is done with it, the next commit is not made at a level the inbox did not check.
+        self.conn.distrust_settings();
         &self.conn
     }
 

@@ -205,6 +205,42 @@ fn worker_commits_nothing_after_sqlite_rolled_back() {
 /// Outside its transaction (after a `ROLLBACK` of its own) a handler's `PRAGMA synchronous` and
 /// `PRAGMA journal_mode` take effect: lowered there, they would weaken every later commit. The call fails,
 /// and the next transaction puts both back and reads them back before it begins.
+/// The same settings lowered by the application through `Inbox::connection()` between two deliveries: the
+/// next commit is made at the configured level again, not at the application's.
+#[test]
+fn settings_lowered_through_the_connection_are_put_back_before_the_next_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config::default().checkpoint_thread(false);
+    let mut inbox = Inbox::open(dir.path().join("inbox.db"), config).unwrap();
+    let during_commit = |inbox: &mut Inbox, id: &str| -> (i64, String) {
+        let mut seen = (0, String::new());
+        let d = Delivery::new("settings", id, "t", b"x");
+        inbox
+            .process(&d, |tx: &mut Tx<'_>, _d: &Delivery<'_>| {
+                let level = tx.sql().query_row("PRAGMA synchronous", [], |r| r.get(0))?;
+                let mode = tx
+                    .sql()
+                    .query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
+                seen = (level, mode);
+                Ok(())
+            })
+            .unwrap();
+        seen
+    };
+    assert_eq!(during_commit(&mut inbox, "first"), (2, "wal".to_owned()));
+    inbox
+        .connection()
+        .execute_batch("PRAGMA synchronous = OFF")
+        .unwrap();
+    assert_eq!(during_commit(&mut inbox, "second"), (2, "wal".to_owned()));
+    let mode: String = inbox
+        .connection()
+        .query_row("PRAGMA journal_mode = DELETE", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "delete");
+    assert_eq!(during_commit(&mut inbox, "third"), (2, "wal".to_owned()));
+}
+
 #[test]
 fn settings_a_handler_changes_outside_its_transaction_are_put_back() {
     let dir = tempfile::tempdir().unwrap();

@@ -459,8 +459,9 @@ impl Db {
         self.guard.ended.load(Ordering::SeqCst) || self.is_autocommit()
     }
 
-    /// A handler got outside the inbox's transaction: out of one, `PRAGMA synchronous` and
-    /// `PRAGMA journal_mode` take effect, and a handler could have lowered either for every later commit.
+    /// A handler got outside the inbox's transaction, or the application was handed the connection: out of a
+    /// transaction, `PRAGMA synchronous` and `PRAGMA journal_mode` take effect, and either could have been
+    /// lowered for every later commit.
     /// The next transaction sets and reads back both before it begins.
     pub(crate) fn distrust_settings(&self) {
         self.settings_suspect.set(true);
@@ -476,7 +477,8 @@ impl Db {
         let mode: String = self.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
             log::error!(
-                "the connection's journal mode was changed to {mode} by a handler; back to WAL"
+                "the connection's journal mode was changed to {mode} (by a handler, or through \
+                 Inbox::connection); back to WAL"
             );
             let mode: String = self.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
             if !mode.eq_ignore_ascii_case("wal") {
