@@ -72,6 +72,16 @@ impl Inbox {
     /// written.
     pub fn open(path: impl AsRef<Path>, config: Config) -> Result<Inbox> {
         let path = path.as_ref();
+        // Every publishing handler would fail on it, one delivery after the other.
+        if let Some(p) = config.get_outbox_producer() {
+            let max = config.limits.max_id_len;
+            if p.is_empty() || p.len() > max || p.contains('\0') {
+                return Err(Error::InvalidArgument(format!(
+                    "the outbox producer must be 1 to {max} bytes without NUL, not {} bytes",
+                    p.len()
+                )));
+            }
+        }
         let mut conn = Db::new(
             schema::open(path, &config)?,
             config.synchronous.pragma_value(),
@@ -188,7 +198,9 @@ impl Inbox {
     /// input order. A repeated identity within the batch is a [`Outcome::Duplicate`] of the first.
     ///
     /// All deliveries are validated first; an invalid one fails the call before anything is written.
-    /// A storage error fails the whole batch: nothing of it is committed, nothing may be acked.
+    /// A storage error fails the whole batch: nothing may be acked. Nothing of it is committed, except
+    /// after a `COMMIT` a deferred constraint refused: the deliveries are then retried in a transaction each,
+    /// and those before the one that met the error may be committed (their redeliveries are duplicates).
     pub fn process_batch<H: Handler>(
         &mut self,
         deliveries: &[Delivery<'_>],
@@ -365,6 +377,11 @@ impl Inbox {
         if scope.is_empty() {
             return Err(crate::InvalidDelivery::EmptyScope.into());
         }
+        let max = self.config.limits.max_scope_len;
+        if scope.len() > max {
+            let (field, len) = ("scope", scope.len());
+            return Err(crate::InvalidDelivery::TooLong { field, len, max }.into());
+        }
         let id = intern_scope(&self.conn, scope, unix_now())?;
         self.scopes.insert(scope.to_owned(), id);
         Ok(id)
@@ -376,8 +393,11 @@ impl Inbox {
         handler: &mut H,
         emit: &mut dyn FnMut(usize, Outcome),
     ) -> Result<()> {
+        // Every delivery is checked before any scope is written.
         for d in deliveries {
             d.validate(&self.config.limits)?;
+        }
+        for d in deliveries {
             // Interning happens outside the batch transaction: a rollback must not leave a cached id behind.
             self.scope_id(d.scope)?;
         }

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use anyhow::bail;
 use edge_inbox::rusqlite::Connection;
-use edge_inbox::{Config, Delivery, Error, Inbox, Outcome, Status, Synchronous, Tx};
+use edge_inbox::{
+    Config, Delivery, Error, Inbox, InvalidDelivery, Limits, Outcome, Status, Synchronous, Tx,
+};
 
 const SCOPE: &str = "inventory-reservation";
 
@@ -847,4 +849,51 @@ fn lock_waits_last_the_busy_timeout() {
         Outcome::Processed
     ));
     releaser.join().unwrap();
+}
+
+/// Bad input the docs are silent on is refused with a clear error, not accepted and paid for later: a busy
+/// timeout meant as "for ever", a scope name over the limit given to `scope_id`, an empty outbox producer,
+/// and a batch whose invalid delivery comes after a new scope (nothing of the batch is written).
+#[test]
+fn edge_settings_and_names_get_clear_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let forever = Config::default().busy_timeout(std::time::Duration::MAX);
+    let opened = std::panic::catch_unwind(|| Inbox::open(&path, forever).map(drop));
+    assert!(matches!(opened, Ok(Ok(()))), "{opened:?}");
+
+    let mut inbox = Inbox::open(&path, Config::default()).unwrap();
+    let long = "s".repeat(Limits::default().max_scope_len + 1);
+    match inbox.scope_id(&long) {
+        Err(Error::InvalidDelivery(InvalidDelivery::TooLong { field: "scope", .. })) => {}
+        other => panic!("{other:?}"),
+    }
+    match inbox.quarantine(&long, "t", b"x", "why") {
+        Err(Error::InvalidDelivery(InvalidDelivery::TooLong { field: "scope", .. })) => {}
+        other => panic!("{other:?}"),
+    }
+
+    let batch = [
+        Delivery::new("fresh-scope", "a", "t", b"x"),
+        Delivery::new(SCOPE, "", "t", b"x"),
+    ];
+    match inbox.process_batch(&batch, |_: &mut Tx<'_>, _: &Delivery<'_>| Ok(())) {
+        Err(Error::InvalidDelivery(InvalidDelivery::EmptyMessageId)) => {}
+        other => panic!("{other:?}"),
+    }
+    let fresh: i64 = inbox
+        .connection()
+        .query_row(
+            "SELECT count(*) FROM scopes WHERE name = 'fresh-scope'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(fresh, 0, "a scope written for a batch refused as invalid");
+    drop(inbox);
+
+    match Inbox::open(&path, Config::default().outbox_producer("")) {
+        Err(Error::InvalidArgument(why)) => assert!(why.contains("outbox producer"), "{why}"),
+        other => panic!("{:?}", other.map(drop)),
+    }
 }

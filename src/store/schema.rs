@@ -131,10 +131,11 @@ pub(crate) fn open(path: &Path, config: &Config) -> Result<Connection> {
     create_private(path)?;
     // Some lock conflicts while a new file is switched to WAL or its schema is created by another
     // connection return SQLITE_BUSY without consulting the busy handler; retry those within the timeout.
-    let deadline = std::time::Instant::now() + config.busy_timeout;
+    // No deadline past what an Instant can hold (`Duration::MAX` for "wait for ever").
+    let deadline = std::time::Instant::now().checked_add(config.busy_timeout);
     loop {
         match open_once(path, config) {
-            Err(Error::Busy { .. }) if std::time::Instant::now() < deadline => {
+            Err(Error::Busy { .. }) if deadline.is_none_or(|d| std::time::Instant::now() < d) => {
                 std::thread::sleep(std::time::Duration::from_millis(10))
             }
             other => return other,
