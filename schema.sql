@@ -184,7 +184,8 @@ CREATE INDEX messages_open_by_key ON messages (scope_id, order_key, seq) WHERE s
 -- message_id is derived from the causing delivery's identity and the message's index within the handler call
 -- (see src/outbox.rs), so a retried handler writes the same ids. properties: CBOR (NULL when empty).
 -- attempts counts publishes the broker refused (a PUBACK with a failure reason code).
--- created_at and sent_at are Unix seconds. Sent rows are deleted by Inbox::prune_outbox.
+-- created_at and sent_at are Unix seconds. Sent rows are deleted by a prune pass (Pruning::sent_outbox) or
+-- Inbox::prune_outbox.
 CREATE TABLE outbox (
     -- AUTOINCREMENT: a pruned row's seq is never handed out again, so a relay reading past its cursor cannot
     -- miss a new row, nor mark another row than the one the broker acknowledged.

@@ -871,7 +871,8 @@
 //! have to run a checkpoint while a pass runs (5 of 232,504 did beside a 1,000,000-row prune on a loaded
 //! machine, 1,931 before); keep twice the pruner's figure below theirs when changing either. Other
 //! defaults: 32 rows a step, rest 9 times as long as each step took and at least 10 ms
-//! ([`Pruning::batch`], [`Pruning::idle`], [`Pruning::pause`]). Measured beside a consumer committing one
+//! ([`Pruning::batch`], [`Pruning::idle`], [`Pruning::pause`]). A pass also deletes outbox messages the
+//! broker confirmed more than 7 days ago ([`Pruning::sent_outbox`]; pending and parked ones never). Measured beside a consumer committing one
 //! delivery at a time: BENCHMARKS.md, issue 26.
 //!
 //! ```
@@ -989,7 +990,7 @@ pub use crate::outbox::{outbox_message_id, OutboxBacklog, OutboxProperties, Qos}
 pub use crate::retention::watermark::{Watermark, SEQUENCE_WINDOW};
 pub use crate::retention::{
     clock_floor, clock_verdict, versioned_scope, ClockVerdict, ExpiredPolicy, PruneReport, Pruning,
-    RetentionPolicy, EARLIEST_PLAUSIBLE_TIME,
+    RetentionPolicy, EARLIEST_PLAUSIBLE_TIME, SENT_OUTBOX_AGE,
 };
 pub use crate::store::config::{Config, Limits, Synchronous};
 pub use crate::store::error::{Error, InvalidDelivery, Result};

@@ -528,15 +528,7 @@ impl Inbox {
         let before = unix_now().saturating_sub(older_than.as_secs().min(i64::MAX as u64) as i64);
         let mut total = 0u64;
         loop {
-            let deleted = write(&self.conn, || {
-                Ok(self
-                    .conn
-                    .prepare_cached(
-                        "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE state = 1 AND sent_at < ?1 \
-                         ORDER BY sent_at LIMIT ?2)",
-                    )?
-                    .execute((before, PRUNE_CHUNK))?)
-            })?;
+            let deleted = write(&self.conn, || delete_sent(&self.conn, before, PRUNE_CHUNK))?;
             total += deleted as u64;
             if (deleted as i64) < PRUNE_CHUNK {
                 return Ok(total);
@@ -554,6 +546,17 @@ impl Inbox {
             .optional()?
             .map(|state| state == 1))
     }
+}
+
+/// Deletes up to `limit` of the oldest outbox messages sent before `before` (Unix seconds), in the caller's
+/// transaction; returns how many. Reads the `outbox_sent` index only.
+pub(crate) fn delete_sent(conn: &rusqlite::Connection, before: i64, limit: i64) -> Result<usize> {
+    Ok(conn
+        .prepare_cached(
+            "DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox WHERE state = 1 AND sent_at < ?1 \
+             ORDER BY sent_at LIMIT ?2)",
+        )?
+        .execute((before, limit))?)
 }
 
 /// A row of the relay's reads, its properties still encoded.

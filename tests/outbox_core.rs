@@ -6,8 +6,8 @@ use std::time::Duration;
 use anyhow::bail;
 use edge_inbox::rusqlite::Connection;
 use edge_inbox::{
-    outbox_message_id, Config, Delivery, Error, Inbox, Limits, OutboxProperties, Outcome, Qos, Tx,
-    Worker, WorkerConfig,
+    outbox_message_id, Config, Delivery, Error, Inbox, Limits, OutboxProperties, Outcome, Pruning,
+    Qos, Tx, Worker, WorkerConfig,
 };
 
 const SCOPE: &str = "inventory-reservation";
@@ -420,4 +420,52 @@ fn a_full_disk_while_publishing_fails_the_batch_even_when_the_handler_swallows_i
         Outcome::Processed
     ));
     assert_eq!(rows(inbox.connection()).len(), 4);
+}
+
+/// A prune pass deletes outbox messages the broker confirmed more than `Pruning::sent_outbox` ago (7 days by
+/// default), in steps: the outbox no longer grows with every message a gateway ever sent. Pending and parked
+/// messages stay, and `sent_outbox(None)` keeps the sent ones too.
+#[test]
+fn a_prune_pass_deletes_sent_outbox_messages_past_their_age_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = open(&dir);
+    for i in 0..40 {
+        let id = format!("evt-{i}");
+        inbox
+            .process(
+                &Delivery::new(SCOPE, &id, "orders", b"x"),
+                reserve_and_publish,
+            )
+            .unwrap();
+    }
+    let total = inbox.outbox_backlog().unwrap().pending;
+    assert_eq!(total, 80);
+    let day = 86_400;
+    let conn = inbox.connection();
+    // Sent 8 days ago (due), sent 6 days ago (kept), parked 30 days ago, and the rest pending.
+    conn.execute(
+        "UPDATE outbox SET state = 1, sent_at = unixepoch() - 8 * ?1 WHERE seq <= 50",
+        [day],
+    )
+    .unwrap();
+    conn.execute(
+        "UPDATE outbox SET state = 1, sent_at = unixepoch() - 6 * ?1 WHERE seq > 50 AND seq <= 60",
+        [day],
+    )
+    .unwrap();
+    conn.execute(
+        "UPDATE outbox SET state = 2, sent_at = unixepoch() - 30 * ?1 WHERE seq > 60 AND seq <= 65",
+        [day],
+    )
+    .unwrap();
+
+    let kept = inbox.prune(&Pruning::default().sent_outbox(None)).unwrap();
+    assert_eq!(kept.outbox_pruned, 0);
+    assert_eq!(inbox.outbox_backlog().unwrap().sent, 60);
+
+    let report = inbox.prune(&Pruning::default()).unwrap();
+    assert_eq!(report.outbox_pruned, 50, "{report:?}");
+    assert!(report.steps > 2, "in steps of a batch: {report:?}");
+    let b = inbox.outbox_backlog().unwrap();
+    assert_eq!((b.sent, b.parked, b.pending), (10, 5, 15), "{b:?}");
 }

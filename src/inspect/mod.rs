@@ -740,6 +740,15 @@ fn clamp(limit: usize) -> i64 {
     limit.min(i64::MAX as usize) as i64
 }
 
+/// How many outbox messages sent before `before` (Unix seconds) a pass would delete
+/// ([`Pruning::sent_outbox`](crate::Pruning::sent_outbox)).
+pub fn sent_outbox_due(conn: &Connection, before: i64) -> Result<u64> {
+    let n: i64 = conn
+        .prepare_cached("SELECT count(*) FROM outbox WHERE state = 1 AND sent_at < ?1")?
+        .query_row([before], |r| r.get(0))?;
+    Ok(u(n))
+}
+
 /// What [`Inbox::prune`] would delete if it ran at `now` (Unix seconds), per scope with a retention policy,
 /// by the same rules: processed and dead-lettered messages past their ages, and identities past the horizon
 /// with no pending, failed or dead-lettered message (a processed one does not hold its identity back).

@@ -243,6 +243,7 @@ pub struct Pruning {
     checkpoint_pages: u32,
     sync_steps: bool,
     sync_after_steps: bool,
+    sent_outbox: Option<Duration>,
 }
 
 impl Default for Pruning {
@@ -259,9 +260,13 @@ impl Default for Pruning {
             checkpoint_pages: 250,
             sync_steps: false,
             sync_after_steps: false,
+            sent_outbox: Some(SENT_OUTBOX_AGE),
         }
     }
 }
+
+/// How long [`Pruning::default`] keeps outbox messages the broker confirmed: 7 days.
+pub const SENT_OUTBOX_AGE: Duration = Duration::from_secs(7 * DAY as u64);
 
 /// The earliest clock reading retention accepts: 2025-01-01T00:00:00Z, before this version of the inbox
 /// existed. A gateway without a real-time clock that boots at 1970 reads less than this.
@@ -468,6 +473,22 @@ impl Pruning {
         self
     }
 
+    /// Delete outbox messages the broker confirmed (sent) more than `age` ago; `None` keeps them
+    /// ([`Inbox::prune_outbox`](crate::Inbox::prune_outbox) deletes them on demand). Default
+    /// [`SENT_OUTBOX_AGE`], 7 days: each keeps its whole payload, and a gateway that publishes for every
+    /// delivery would otherwise grow its file with every message it ever sent. Pending and parked messages
+    /// are never deleted, and a deleted one's id stays derivable (a delivery handled again after its
+    /// identity was pruned publishes it under the same id).
+    pub fn sent_outbox(mut self, age: Option<Duration>) -> Self {
+        self.sent_outbox = age;
+        self
+    }
+
+    /// The age after which sent outbox messages are deleted ([`Pruning::sent_outbox`]).
+    pub fn get_sent_outbox(&self) -> Option<Duration> {
+        self.sent_outbox
+    }
+
     /// Accept the clock even if it jumped further ahead than [`Pruning::max_clock_jump`] (an operator confirmed
     /// the time). A time before the database was created is never accepted.
     pub fn trust_clock(mut self, trust: bool) -> Self {
@@ -490,6 +511,8 @@ pub struct PruneReport {
     pub quarantine_pruned: u64,
     /// Conflict records deleted ([`RetentionPolicy::quarantine_and_conflicts`]).
     pub conflicts_pruned: u64,
+    /// Sent outbox messages deleted ([`Pruning::sent_outbox`]).
+    pub outbox_pruned: u64,
     /// Free pages given back to the file system.
     pub pages_reclaimed: u64,
     /// WAL checkpoints the pruner ran between steps ([`Pruning::checkpoint_pages`]).
@@ -513,6 +536,7 @@ impl PruneReport {
         self.identities_pruned += o.identities_pruned;
         self.quarantine_pruned += o.quarantine_pruned;
         self.conflicts_pruned += o.conflicts_pruned;
+        self.outbox_pruned += o.outbox_pruned;
         self.pages_reclaimed += o.pages_reclaimed;
         self.checkpoints += o.checkpoints;
         self.steps += o.steps;
@@ -543,6 +567,7 @@ enum Phase {
     Messages,
     Identities,
     Records,
+    Outbox,
     Vacuum,
     Checkpoint,
 }

@@ -185,7 +185,7 @@ impl Inbox {
     fn prune_phase(&mut self, opts: &Pruning, now: i64, report: &mut PruneReport) -> Result<()> {
         if matches!(
             self.retention.phase,
-            Phase::Messages | Phase::Identities | Phase::Records
+            Phase::Messages | Phase::Identities | Phase::Records | Phase::Outbox
         ) {
             // Ages are only judged on a time that can be right (a gateway without a real-time clock boots at
             // 1970; a bad time source can jump years ahead).
@@ -207,6 +207,7 @@ impl Inbox {
             Phase::Messages => self.prune_messages(opts, now, report)?,
             Phase::Identities => self.prune_identities(opts, now, report)?,
             Phase::Records => self.prune_records(opts, now, report)?,
+            Phase::Outbox => self.prune_sent_outbox(opts, now, report)?,
             Phase::Vacuum => {
                 let freed = vacuum_step(&self.conn, opts.vacuum_pages)?;
                 report.pages_reclaimed = freed;
@@ -228,6 +229,27 @@ impl Inbox {
                 self.retention.phase = Phase::Messages;
                 report.done = true;
             }
+        }
+        Ok(())
+    }
+
+    /// One step of [`Pruning::sent_outbox`]: up to a batch of the oldest sent outbox messages past the age.
+    fn prune_sent_outbox(
+        &mut self,
+        opts: &Pruning,
+        now: i64,
+        report: &mut PruneReport,
+    ) -> Result<()> {
+        let Some(age) = opts.sent_outbox else {
+            self.retention.phase = Phase::Vacuum;
+            return Ok(());
+        };
+        let before = now.saturating_sub(age.as_secs().min(i64::MAX as u64) as i64);
+        let batch = opts.batch as i64;
+        let deleted = self.write_step(|conn, _| crate::outbox::delete_sent(conn, before, batch))?;
+        report.outbox_pruned += deleted as u64;
+        if (deleted as i64) < batch {
+            self.retention.phase = Phase::Vacuum;
         }
         Ok(())
     }

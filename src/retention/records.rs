@@ -69,7 +69,7 @@ impl Inbox {
             let _ = self.conn.execute_batch("ROLLBACK");
         }
         let Some((scope_id, cutoff, quarantine, conflicts)) = result? else {
-            self.retention.phase = Phase::Vacuum;
+            self.retention.phase = Phase::Outbox;
             self.retention.rec_scope = 0;
             return Ok(());
         };

@@ -729,6 +729,8 @@ struct PruneDoc {
     applied: bool,
     as_of: i64,
     due: Vec<inspect::PrunePreview>,
+    /// Outbox messages the broker confirmed more than `Pruning::sent_outbox` ago (7 days), also due.
+    sent_outbox_due: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pruned: Option<Pruned>,
     /// Why retention does not trust the time (`None` when it does); with `--as-of`, what the stated time
@@ -747,6 +749,7 @@ struct Pruned {
     identities: u64,
     quarantine_records: u64,
     conflict_records: u64,
+    sent_outbox: u64,
     pages_reclaimed: u64,
     steps: u64,
 }
@@ -763,6 +766,10 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
     let now = as_of.unwrap_or_else(unix_now);
     let ro = read_only(path)?;
     let due = inspect::prune_preview(&ro, now)?;
+    let sent_outbox_due = match Pruning::default().get_sent_outbox() {
+        Some(age) => inspect::sent_outbox_due(&ro, now.saturating_sub(age.as_secs() as i64))?,
+        None => 0,
+    };
     let jump = Pruning::default().get_max_clock_jump();
     let verdict = edge_inbox::clock_verdict(&ro, now, jump)?;
     drop(ro);
@@ -772,6 +779,7 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
         applied: apply,
         as_of: now,
         due,
+        sent_outbox_due,
         pruned: None,
         clock_warning: verdict.warning(now),
         clock_refused: !apply && !verdict.is_plausible() && !overridden,
@@ -790,6 +798,7 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
             identities: 0,
             quarantine_records: 0,
             conflict_records: 0,
+            sent_outbox: 0,
             pages_reclaimed: 0,
             steps: 0,
         };
@@ -812,6 +821,7 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
             total.identities += step.identities_pruned;
             total.quarantine_records += step.quarantine_pruned;
             total.conflict_records += step.conflicts_pruned;
+            total.sent_outbox += step.outbox_pruned;
             total.pages_reclaimed += step.pages_reclaimed;
             total.steps += step.steps;
             progress.set_position(total.payloads + total.dead_letters + total.identities);
@@ -853,7 +863,14 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
         );
     }
     if doc.due.is_empty() {
-        println!("no scope has a retention policy: nothing is ever pruned");
+        println!("no scope has a retention policy: no message or identity is ever pruned");
+    }
+    if let Some(age) = Pruning::default().get_sent_outbox() {
+        println!(
+            "outbox: {} messages sent more than {} days ago due",
+            doc.sent_outbox_due,
+            age.as_secs() / 86_400
+        );
     }
     match &doc.pruned {
         Some(_) if doc.clock_refused => eprintln!(
@@ -861,13 +878,14 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
              --as-of if it is)"
         ),
         Some(p) => println!(
-            "pruned {} payloads, {} dead letters, {} identities, {} quarantine and {} conflict records; {} pages \
-             reclaimed in {} steps",
+            "pruned {} payloads, {} dead letters, {} identities, {} quarantine and {} conflict records, {} sent \
+             outbox messages; {} pages reclaimed in {} steps",
             p.payloads,
             p.dead_letters,
             p.identities,
             p.quarantine_records,
             p.conflict_records,
+            p.sent_outbox,
             p.pages_reclaimed,
             p.steps
         ),
