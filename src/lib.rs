@@ -162,7 +162,12 @@
 //! **Only the inbox's own database is atomic with the identity.** A handler may `ATTACH` another file
 //! through [`Tx::sql`], but in WAL mode SQLite commits a transaction across attached databases atomically
 //! for each file, not as a whole: a power cut between the two can keep the identity without the effect in
-//! the other file, and the redelivery is then a duplicate. Keep what must not be lost in the inbox's file.
+//! the other file, and the redelivery is then a duplicate. Keep what must not be lost in the inbox's file. An
+//! attached file's trouble is the connection's trouble: an `ATTACH` that cannot open its file
+//! (`SQLITE_CANTOPEN`; the inbox's connection does not create files) or a read of it that fails leaves the
+//! same result code as the inbox's own storage would, so the call fails as retryable storage trouble (and
+//! the consumer retries it) instead of a handler failure. Read a lookup file that may be missing or damaged
+//! through a connection of the handler's own.
 //!
 //! **The connection's commit and rollback hooks are reserved for this guard.** rusqlite lets anyone holding
 //! the [`Connection`](rusqlite::Connection) ([`Inbox::connection`], [`Tx::sql`]) replace them, so the inbox
@@ -177,7 +182,7 @@
 //! handler swallowed it) or through a statement on [`Tx::sql`] (the connection's own last result code,
 //! read right after the handler returns, says so; an error value alone cannot tell which connection it came
 //! from). Anything else a handler returns is a handler failure, a storage error of another SQLite database the
-//! handler opened itself included: a lookup file it cannot open (`SQLITE_CANTOPEN`) or read (`SQLITE_IOERR`)
+//! handler opened itself (on a connection of its own, not attached) included: a lookup file it cannot open (`SQLITE_CANTOPEN`) or read (`SQLITE_IOERR`)
 //! gives [`Outcome::HandlerFailed`], and the consumer's or [`Worker`]'s attempts and dead letter follow, instead of
 //! a retry for ever that holds back every delivery behind it. An interrupt the handler causes (its own
 //! `sqlite3_interrupt`, a progress handler that returns true) is its own too: an interrupted read is a
