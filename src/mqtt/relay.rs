@@ -54,7 +54,8 @@ impl RelayConfig {
     }
 
     /// How many times the broker may refuse one message (a PUBACK with a failure reason code, e.g. not
-    /// authorised) before it is parked: kept in the outbox, counted in
+    /// authorised, or a connection lost within 2 s after the message was the first one written on it, before
+    /// any PUBACK: a broker that closes the connection over a packet) before it is parked: kept in the outbox, counted in
     /// [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding back the messages after it, until
     /// [`Inbox::requeue_parked_outbox`]. Default 5.
     pub fn max_refusals(mut self, refusals: u32) -> Self {
@@ -131,7 +132,8 @@ pub struct RelayStats {
 ///   row parked and then requeued ([`Inbox::requeue_parked_outbox`]) goes out after the rows that went on
 ///   while it was parked (the relay looks for rows requeued behind it once per
 ///   [`RelayConfig::poll_interval`], without reconnecting). Only these two cases reorder.
-/// - **Parked, not stuck.** A row the broker refused [`RelayConfig::max_refusals`] times, or one its CONNACK
+/// - **Parked, not stuck.** A row the broker refused [`RelayConfig::max_refusals`] times (a connection it
+///   closed right after the row, before any PUBACK, counts as a refusal), or one its CONNACK
 ///   rules out (larger than its Maximum Packet Size, retained where Retain Available is false, QoS 1 where
 ///   its Maximum QoS is 0: it could never be sent, and the broker would close the connection on it), is
 ///   parked: kept, counted in [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding back the
@@ -194,6 +196,7 @@ impl Relay {
                         config,
                         stop,
                         stats,
+                        suspects: Vec::new(),
                     }
                     .run()
                 })
@@ -370,6 +373,10 @@ fn poll(mut conn: rumqttc::v5::Connection, tx: Sender<RelayEvent>, stop: Arc<Ato
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
+/// A connection lost within this time after writing its first row, before any PUBACK, counts as a refusal of
+/// that row ([`RelayLoop::lost_after`]): a broker closes the connection over a packet as soon as it reads it.
+const SUSPECT_LOSS: Duration = Duration::from_secs(2);
+
 /// How a connection ended.
 enum Ended {
     Stopped,
@@ -386,6 +393,10 @@ struct RelayLoop {
     config: RelayConfig,
     stop: StopHandle,
     stats: Arc<Mutex<RelayStats>>,
+    /// Rows in flight when a connection was lost right after a write, before their PUBACKs: the broker may
+    /// have closed it over one of them. While any is left, rows go one at a time, so that a loss right
+    /// after one names it ([`RelayLoop::lost_after`]).
+    suspects: Vec<i64>,
 }
 
 /// Rows of one connection on their way to being marked sent.
@@ -401,6 +412,8 @@ struct Flight {
     cursor: i64,
     /// When to look again for pending rows behind the cursor (rows requeued from parked).
     behind_at: Option<Instant>,
+    /// When this connection last wrote a QoS 1 row to the broker.
+    last_written: Option<Instant>,
 }
 
 impl Flight {
@@ -443,7 +456,23 @@ impl RelayLoop {
                 confirmed: std::mem::take(&mut leftover),
                 ..Flight::default()
             };
+            self.keep_pending_suspects();
+            let probing = !self.suspects.is_empty();
             let ended = self.connection(&link, &mut flight);
+            // Lost right after a write, with rows still unacknowledged: one of them may be why.
+            let in_flight_at_loss: Vec<i64> = match ended {
+                Ended::Lost {
+                    was_connected: true,
+                } if flight
+                    .last_written
+                    .is_some_and(|at| at.elapsed() <= SUSPECT_LOSS) =>
+                {
+                    let mut seqs: Vec<i64> = flight.unacked.values().copied().collect();
+                    seqs.sort_unstable();
+                    seqs
+                }
+                _ => Vec::new(),
+            };
             // Only a connection that got a row confirmed resets the backoff: one that drops each time a row
             // is sent (a row the broker cannot take) must not reconnect in a tight loop.
             let progressed = self.marked() > marked_before || flight.confirmed.len() > carried;
@@ -460,6 +489,12 @@ impl RelayLoop {
                 }
                 Ended::Lost { was_connected } => {
                     self.bump(|s| s.connection_failures += 1);
+                    match in_flight_at_loss[..] {
+                        [] => {}
+                        // One at a time: the row the broker dropped the connection over.
+                        [seq] if probing => self.lost_after(seq),
+                        _ => self.suspects = in_flight_at_loss,
+                    }
                     if was_connected && progressed {
                         backoff = FIRST_BACKOFF;
                     }
@@ -469,6 +504,47 @@ impl RelayLoop {
             }
         }
         log::info!("outbox relay stopped: {:?}", self.stats.lock().map(|s| *s));
+    }
+
+    /// The connection was lost right after it wrote row `seq`, the only one in flight, before its PUBACK: the
+    /// broker may have closed it over that row (a topic deeper than it allows, an ACL that disconnects), and
+    /// would again at every reconnection, holding back every row behind it. Such a loss counts as a refusal
+    /// of the row, so that it is parked after [`RelayConfig::max_refusals`] refusals and such losses, as a
+    /// refused row is.
+    fn lost_after(&mut self, seq: i64) {
+        log::warn!(
+            "outbox relay: the connection was lost within {} s after it wrote message seq {seq}, alone in flight, \
+             before its PUBACK; counted as a refusal of that message",
+            SUSPECT_LOSS.as_secs()
+        );
+        match self.inbox.outbox_refused(seq, self.config.max_refusals) {
+            Ok(true) => {
+                self.suspects.retain(|s| *s != seq);
+                log::error!(
+                    "outbox message seq {seq}: the broker refused it or dropped the connection over it {} times: \
+                     parked for an operator (Inbox::requeue_parked_outbox); the messages after it go on",
+                    self.config.max_refusals
+                );
+            }
+            Ok(false) => {}
+            Err(_) => self.bump(|s| s.storage_errors += 1),
+        }
+    }
+
+    /// Forgets suspects that are no longer pending (sent or parked meanwhile, by this relay or another).
+    fn keep_pending_suspects(&mut self) {
+        let inbox = &self.inbox;
+        self.suspects
+            .retain(|seq| !matches!(inbox.outbox_pending_row(*seq), Ok(None)));
+    }
+
+    /// Rows in flight at most: one at a time while suspects are left.
+    fn window(&self) -> usize {
+        if self.suspects.is_empty() {
+            usize::from(self.config.inflight)
+        } else {
+            1
+        }
     }
 
     fn marked(&self) -> u64 {
@@ -488,7 +564,6 @@ impl RelayLoop {
 
     /// Publishes over one link until it is lost or a stop is asked.
     fn connection(&mut self, link: &Link, flight: &mut Flight) -> Ended {
-        let window = usize::from(self.config.inflight);
         let mut connected = false;
         // What the broker's CONNACK allows.
         let mut allowed = Allowed::ANY;
@@ -502,8 +577,8 @@ impl RelayLoop {
                 {
                     return Ended::Stopped;
                 }
-            } else if connected && flight.outstanding() < window {
-                if let Err(e) = self.fill(link, flight, window, allowed) {
+            } else if connected && flight.outstanding() < self.window() {
+                if let Err(e) = self.fill(link, flight, self.window(), allowed) {
                     return e;
                 }
             }
@@ -530,6 +605,7 @@ impl RelayLoop {
                             self.bump(|s| s.confirmed += 1);
                         }
                         Some((seq, _)) => {
+                            flight.last_written = Some(Instant::now());
                             flight.unacked.insert(pkid, seq);
                         }
                         None => log::warn!("outbox relay: publish {pkid} that was not queued"),
@@ -538,6 +614,7 @@ impl RelayLoop {
                         None => log::warn!("outbox relay: PUBACK {pkid} for nothing in flight"),
                         Some(seq) if ok => {
                             flight.confirmed.push(seq);
+                            self.suspects.retain(|s| *s != seq);
                             self.bump(|s| s.confirmed += 1);
                         }
                         Some(seq) => {
