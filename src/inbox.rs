@@ -163,7 +163,9 @@ impl Inbox {
     /// It is handed out at the configured `synchronous` level: if a consumer could not put the level back
     /// after its commits that left their syncs to the sync thread, this tries again (and logs a failure).
     /// A `synchronous` level or journal mode changed through it holds until the inbox's next write
-    /// transaction, which sets both again and reads them back.
+    /// transaction, which sets both again and reads them back. End a transaction begun through it before the
+    /// next call of the inbox: one left open is rolled back by that call (with a warning in the log), as a
+    /// transaction an interrupted call left behind is.
     pub fn connection(&self) -> &Connection {
         if self.conn.is_autocommit() {
             if let Err(e) = self.conn.prepare_level() {

@@ -20,7 +20,10 @@ pub(crate) fn unix_now() -> i64 {
 /// writes the WAL out again ([`Db::recover_unsynced_wal`]).
 pub(crate) fn begin(conn: &Db) -> Result<()> {
     if !conn.is_autocommit() {
-        log::warn!("rolling back a transaction left open by an earlier, interrupted call");
+        log::warn!(
+            "rolling back a transaction left open on the inbox's connection (by an earlier, interrupted call, \
+             or begun through Inbox::connection and not ended)"
+        );
         conn.execute_batch("ROLLBACK")?;
     }
     if let Some(gone) = conn.gone() {
