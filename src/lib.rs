@@ -291,6 +291,13 @@
 //! processes), whose own descriptors report the error at their next sync; and a file opened again after a
 //! close that could not write the WAL out, while the disk still lacks those frames (the flag is in memory).
 //!
+//! A failed sync of the database file, after the checkpoint thread copied pages into it, leaves those pages
+//! on the disk only in the WAL, which may then never start over: the thread keeps it, commits go on
+//! (durable in the WAL) until it holds four checkpoint thresholds, and from then on each is refused as
+//! retryable storage trouble, nothing acked, until the inbox is opened again; the next open copies the WAL
+//! back with working syncs (`tests/checkpoint_rounds.rs`). So the WAL does not fill the disk, and a consumer
+//! whose storage retries run out ends its run with the error, for the application to open the inbox again.
+//!
 //! ## Received-then-deferred mode
 //!
 //! When the effect is slow, or must wait for something, store first and apply later:

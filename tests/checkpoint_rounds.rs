@@ -173,8 +173,10 @@ fn no_write_starts_the_wal_over_before_the_copied_pages_are_synced() {
 
 /// The thread's sync of the database file fails: the WAL is never started over after that, SQLite's
 /// final checkpoint is not run at close (the WAL file stays), and the next open replays it: every
-/// delivery acknowledged is still known. Fails when the inbox closes as usual (the WAL copied back, once
-/// more without a working sync, and deleted).
+/// delivery acknowledged is still known. Commits go on until the WAL holds `UNSYNCED_WAL_CAP` (4)
+/// thresholds, then each is refused as storage trouble until the inbox is opened again, so the WAL does not
+/// grow until the disk is full. Fails when the inbox closes as usual (the WAL copied back, once more without
+/// a working sync, and deleted), or when the WAL grows past its cap.
 #[test]
 fn a_failed_sync_of_the_database_file_keeps_the_wal_for_the_next_open() {
     let (_turn, gate, dir) = take_turn();
@@ -187,31 +189,48 @@ fn a_failed_sync_of_the_database_file_keeps_the_wal_for_the_next_open() {
     gate.failing.store(true, Ordering::SeqCst);
     let mut acked = Vec::new();
     let mut i = 0;
-    // Commits may be refused for a moment after the failure (the WAL is written out again first).
+    // Commits may be refused for a moment after the failure (the WAL is written out again first); once the
+    // WAL holds its cap, every one is.
+    let mut refused_in_a_row = 0;
+    let mut len = 0;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while (gate.failed.load(Ordering::SeqCst) == 0 || acked.len() < 3 * THRESHOLD as usize)
+    while (gate.failed.load(Ordering::SeqCst) == 0 || refused_in_a_row < 50)
         && Instant::now() < deadline
     {
-        if deliver(&mut inbox, i).is_ok() {
-            acked.push(i);
+        match deliver(&mut inbox, i) {
+            Ok(_) => {
+                acked.push(i);
+                refused_in_a_row = 0;
+            }
+            Err(e) => {
+                assert!(e.is_retryable(), "{e:?}");
+                refused_in_a_row += 1;
+            }
         }
         i += 1;
-    }
-    assert!(gate.failed.load(Ordering::SeqCst) >= 1, "no sync failed");
-    // From the failure on, the WAL only grows.
-    let mut len = wal_len(dir.path());
-    for _ in 0..(2 * THRESHOLD) {
-        if deliver(&mut inbox, i).is_ok() {
-            acked.push(i);
-        }
-        i += 1;
+        // From the failure on, the WAL only grows.
         let now = wal_len(dir.path());
         assert!(
-            now >= len,
+            gate.failed.load(Ordering::SeqCst) == 0 || now >= len,
             "the WAL started over after a failed sync of the database file"
         );
         len = now;
     }
+    assert!(gate.failed.load(Ordering::SeqCst) >= 1, "no sync failed");
+    assert!(
+        refused_in_a_row >= 50,
+        "commits were never refused: WAL {len} bytes"
+    );
+    let frames = wal_len(dir.path()).saturating_sub(32) / (4096 + 24);
+    assert!(
+        (4 * THRESHOLD..6 * THRESHOLD).contains(&frames),
+        "the WAL holds {frames} frames when commits are refused"
+    );
+    assert!(
+        acked.len() > 2 * THRESHOLD as usize,
+        "{} acked",
+        acked.len()
+    );
     drop(inbox);
     gate.failing.store(false, Ordering::SeqCst);
     *gate.dir.lock().unwrap() = None;
@@ -227,6 +246,7 @@ fn a_failed_sync_of_the_database_file_keeps_the_wal_for_the_next_open() {
             "delivery {k} was acknowledged but is {outcome:?} after reopening"
         );
     }
+    assert!(matches!(deliver(&mut inbox, i), Ok(Outcome::Processed)));
 }
 
 /// While a round pins its snapshot (its sync of the database file held here), a pruner's pass asked to

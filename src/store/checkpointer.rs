@@ -48,7 +48,9 @@
 //! A failed sync of the database file leaves pages that only the WAL holds on the disk while SQLite counts
 //! them as copied: the thread then keeps its pin until it stops, so the WAL never starts over, checkpoints no
 //! more, and the inbox closes without SQLite's final checkpoint or any write (`Db`'s drop), leaving the next
-//! open to replay the WAL. That holds when the inbox's connections are the file's last: another connection
+//! open to replay the WAL. Commits go on meanwhile, durable in the WAL, until it holds [`UNSYNCED_WAL_CAP`]
+//! thresholds; then each is refused as storage trouble (nothing acked) until the inbox is opened again,
+//! which copies the WAL back with working syncs. That holds when the inbox's connections are the file's last: another connection
 //! open on it then (a second inbox, another process) knows nothing of the failure, and its own checkpoints
 //! and writes may start the WAL over once the pin is gone; not covered.
 //!
@@ -79,6 +81,11 @@ pub(crate) const RESTART_WAIT: Duration = Duration::from_millis(10);
 /// While the thread's rounds go on, the commit that leaves the WAL this many thresholds long waits for its
 /// catch-up: the rounds have not kept up with the commits.
 const PACED_CAP: i64 = 3;
+
+/// After a failed sync of the database file the WAL only grows (see the module's doc): commits are refused
+/// once it holds this many thresholds, one more than the rounds let it reach, until the inbox is opened
+/// again. The disk is not filled by a WAL that can never start over.
+pub(crate) const UNSYNCED_WAL_CAP: i64 = PACED_CAP + 1;
 
 /// Rounds for one request, at most; the last ones are short, as each copies what came during the one before.
 const MAX_ROUNDS: u32 = 8;
@@ -269,6 +276,7 @@ impl Shared {
 pub(crate) struct Checkpointer {
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    threshold: i64,
 }
 
 impl Checkpointer {
@@ -343,11 +351,20 @@ impl Checkpointer {
         Ok(Checkpointer {
             shared,
             thread: Some(handle),
+            threshold,
         })
     }
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.shared
+    }
+
+    /// A sync of the database file failed, and the WAL, which can no longer start over, has reached
+    /// [`UNSYNCED_WAL_CAP`] thresholds: no more commits until the inbox is opened again.
+    pub(crate) fn unsynced_wal_full(&self) -> bool {
+        self.shared.database_unsynced()
+            && self.shared.frames.load(Ordering::Relaxed)
+                >= self.threshold.saturating_mul(UNSYNCED_WAL_CAP)
     }
 }
 

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use rusqlite::{Connection, OptionalExtension, Statement};
 
-use crate::store::error::{Error, Result};
+use crate::store::error::{storage_error, Error, Result};
 use crate::store::files::{FileId, Files, Moved};
 use crate::store::wal_watch::{Waiter, WalWatch};
 
@@ -110,6 +110,8 @@ struct HandlerGuard {
     unsynced: AtomicBool,
     /// The deleted WAL's rescue was logged.
     wal_reported: AtomicBool,
+    /// The WAL's cap after a failed sync of the database file was logged.
+    wal_full_reported: AtomicBool,
 }
 
 /// `true` turns the COMMIT into a ROLLBACK.
@@ -545,6 +547,23 @@ impl Db {
     }
 
     /// The error every write reports once the database file is known to be gone, if it is.
+    /// Storage trouble, when a failed sync of the database file has kept the WAL from starting over until it
+    /// reached its cap (`UNSYNCED_WAL_CAP`): the inbox must be opened again. Logged once.
+    pub(crate) fn unsynced_wal_full(&self) -> Option<Error> {
+        if !self.checkpointer.as_ref()?.unsynced_wal_full() {
+            return None;
+        }
+        if !self.guard.wal_full_reported.swap(true, Ordering::SeqCst) {
+            log::error!(
+                "{}: after a failed sync of the database file the WAL can no longer start over, and it has \
+                 reached its cap: nothing more is committed or acked until the inbox is opened again (which \
+                 copies the WAL back with working syncs)",
+                self.path.display()
+            );
+        }
+        Some(storage_error(rusqlite::ffi::SQLITE_IOERR_FSYNC))
+    }
+
     pub(crate) fn gone(&self) -> Option<Error> {
         self.guard
             .gone

@@ -29,6 +29,9 @@ pub(crate) fn begin(conn: &Db) -> Result<()> {
     if let Some(gone) = conn.gone() {
         return Err(gone);
     }
+    if let Some(full) = conn.unsynced_wal_full() {
+        return Err(full);
+    }
     conn.recheck_settings()?;
     conn.prepare_level()?;
     conn.begin_immediate()?;
