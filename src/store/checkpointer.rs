@@ -325,16 +325,19 @@ impl Checkpointer {
             .map_err(crate::store::error::Error::from)?;
             Ok(conn)
         };
+        let write_back = WriteBack::new(path);
+        let before = write_back.descriptors();
         let conn = open()?;
         // The copies do not sync: the thread syncs the files itself, in the order the module's doc gives.
         conn.execute_batch("PRAGMA synchronous = OFF")
             .map_err(crate::store::error::Error::from)?;
         let pin = open()?;
+        let write_back = write_back.own(&before, 2);
         let thread = Thread {
             page_size: page_size(&conn),
             conn,
             pin,
-            write_back: WriteBack::new(path),
+            write_back,
             threshold,
             copied_before: (0, 0),
             quiet_tried: (u64::MAX, 0),

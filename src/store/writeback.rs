@@ -6,10 +6,13 @@
 //! steps, with pauses as long as the steps took, and the commits' syncs meet at most one step in the queue.
 //! The sync that follows (the one durability rests on) then finds little left to write.
 //!
-//! A hint, never what durability rests on: SQLite does not hand out its descriptor, so the step finds it in
-//! `/proc/self/fd` by the file's path and uses it without owning it (closing a descriptor of the file would
-//! drop SQLite's locks on it). A number closed and reused meanwhile makes a call fail or write back another
-//! file, which harms nothing. Elsewhere than Linux, or when the file is not found, nothing is paced.
+//! A hint, never what durability rests on: SQLite does not hand out its descriptor, and one of our own would
+//! drop SQLite's locks on the file when closed. So the checkpoint thread notes which descriptors of the file
+//! (in `/proc/self/fd`) appeared when it opened its own two connections, and paces through one of those:
+//! they live as long as the thread, and no other connection's descriptor is ever waited on (a wait takes the
+//! report of a failed write-back meant for that descriptor's next sync). When the two cannot be told from
+//! others (another thread opened the file at the same time, SQLite reused a descriptor it kept), and
+//! elsewhere than Linux, nothing is paced.
 //!
 //! One thing it must not do is hide a failure: waiting for the write-back reports a failed write of the file
 //! (`EIO`, `ENOSPC`) to the descriptor it used, and only once, as a sync would. That descriptor may be the
@@ -24,6 +27,8 @@ use std::time::{Duration, Instant};
 /// The database file whose write-back is paced.
 pub(crate) struct WriteBack {
     path: PathBuf,
+    /// A descriptor of the file that the checkpoint thread's own connections hold ([`WriteBack::own`]).
+    fd: Option<i32>,
 }
 
 /// Bytes of file range written back in one step to start with; each step's range then follows how long the
@@ -44,7 +49,47 @@ impl WriteBack {
     pub(crate) fn new(path: &Path) -> WriteBack {
         WriteBack {
             path: std::fs::canonicalize(path).unwrap_or_else(|_| path.to_owned()),
+            fd: None,
         }
+    }
+
+    /// The descriptors of this process open on the file now (none elsewhere than Linux).
+    pub(crate) fn descriptors(&self) -> Vec<i32> {
+        #[cfg(target_os = "linux")]
+        {
+            let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+                return Vec::new();
+            };
+            let mut fds: Vec<i32> = dir
+                .filter_map(|e| e.ok())
+                .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t == self.path))
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect();
+            fds.sort_unstable();
+            fds
+        }
+        #[cfg(not(target_os = "linux"))]
+        Vec::new()
+    }
+
+    /// Paces through a descriptor that appeared since `before` was taken, when exactly `opened` did (the
+    /// caller's own connections opened the file meanwhile); otherwise paces nothing.
+    pub(crate) fn own(mut self, before: &[i32], opened: usize) -> WriteBack {
+        let new: Vec<i32> = self
+            .descriptors()
+            .into_iter()
+            .filter(|fd| !before.contains(fd))
+            .collect();
+        self.fd = (new.len() == opened)
+            .then(|| new.first().copied())
+            .flatten();
+        if self.fd.is_none() {
+            log::debug!(
+                "{}: the checkpoint thread's descriptors of the file are not known; its write-back is not paced",
+                self.path.display()
+            );
+        }
+        self
     }
 
     /// Writes the file's dirty pages out to the device in steps, pausing after each as long as it took,
@@ -65,7 +110,7 @@ impl WriteBack {
 
     #[cfg(target_os = "linux")]
     fn run_linux(&self, hurry: &AtomicBool) -> Result<u32, i32> {
-        let Some(fd) = self.find_fd() else {
+        let Some(fd) = self.fd else {
             return Ok(0);
         };
         let Ok(len) = std::fs::metadata(&self.path).map(|m| m.len() as i64) else {
@@ -77,12 +122,12 @@ impl WriteBack {
         let (mut off, mut step, mut wrote) = (0i64, FIRST_STEP, 0);
         while off < len {
             let t = Instant::now();
-            // SAFETY: a plain system call on a descriptor number; no memory is passed. See the module's doc for
-            // a number reused meanwhile.
+            // SAFETY: a plain system call on a descriptor of the checkpoint thread's connections, open while it
+            // runs; no memory is passed.
             if unsafe { libc::sync_file_range(fd, off, step, flags) } != 0 {
                 let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
                 // A failed write-back of the file, now reported to this descriptor and to no later sync
-                // of it; any other error is a descriptor number gone or reused, which harms nothing.
+                // of it; any other error leaves the rest to the sync.
                 return match errno {
                     libc::EIO | libc::ENOSPC => Err(errno),
                     _ => Ok(wrote),
@@ -105,42 +150,49 @@ impl WriteBack {
         }
         Ok(wrote)
     }
-
-    /// A descriptor of this process open on the file.
-    #[cfg(target_os = "linux")]
-    fn find_fd(&self) -> Option<i32> {
-        std::fs::read_dir("/proc/self/fd")
-            .ok()?
-            .filter_map(|e| e.ok())
-            .find(|e| std::fs::read_link(e.path()).is_ok_and(|t| t == self.path))
-            .and_then(|e| e.file_name().to_str()?.parse().ok())
-    }
 }
 
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
 
-    /// The descriptor is found by the file's path, through a symbolic link to its directory too, and a file
-    /// not open in this process has none.
+    /// Only a descriptor opened between the two looks is used, found by the file's path (through a symbolic
+    /// link to its directory too); one opened before, another connection's, never is.
     #[test]
-    fn finds_a_descriptor_open_on_the_file() {
+    fn paces_only_through_a_descriptor_opened_meanwhile() {
+        use std::os::fd::AsRawFd;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("db");
-        let file = std::fs::File::create(&path).unwrap();
+        let other = std::fs::File::create(&path).unwrap();
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(dir.path(), &link).unwrap();
-        let fd = WriteBack::new(&link.join("db")).find_fd().unwrap();
-        use std::os::fd::AsRawFd;
-        let other = std::fs::File::open(&path).unwrap();
-        assert!(fd == file.as_raw_fd() || fd == other.as_raw_fd());
-        std::fs::write(dir.path().join("closed"), b"x").unwrap();
-        assert_eq!(WriteBack::new(&dir.path().join("closed")).find_fd(), None);
+        let wb = WriteBack::new(&link.join("db"));
+        let before = wb.descriptors();
+        assert_eq!(before, [other.as_raw_fd()]);
+        let own = std::fs::File::open(&path).unwrap();
+        let wb = wb.own(&before, 1);
+        assert_eq!(wb.fd, Some(own.as_raw_fd()));
+        // Two expected, one seen: not told apart, not paced.
+        assert_eq!(WriteBack::new(&path).own(&before, 2).fd, None);
         // Dirty pages written back in steps that took time.
         use std::io::Write;
-        let mut f = &file;
+        let mut f = &other;
         f.write_all(&vec![7u8; 8 << 20]).unwrap();
-        let steps = WriteBack::new(&path).run(&AtomicBool::new(true)).unwrap();
+        let steps = wb.run(&AtomicBool::new(true)).unwrap();
         assert!(steps >= 1, "nothing was written back");
+    }
+
+    /// SQLite opens the database file when a connection opens: the checkpoint thread's two connections are
+    /// two new descriptors.
+    #[test]
+    fn a_connection_opens_its_descriptor_of_the_database_file_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        drop(rusqlite::Connection::open(&path).unwrap());
+        let wb = WriteBack::new(&path);
+        let before = wb.descriptors();
+        let _a = rusqlite::Connection::open(&path).unwrap();
+        let _b = rusqlite::Connection::open(&path).unwrap();
+        assert!(wb.own(&before, 2).fd.is_some());
     }
 }
