@@ -897,3 +897,43 @@ fn edge_settings_and_names_get_clear_answers() {
         other => panic!("{:?}", other.map(drop)),
     }
 }
+
+/// The file's identity key row lost or cut short (damage, an edit): every stored identity would be missed
+/// under another key and every redelivery applied again, so the file is refused, as one that lost its
+/// identity order is.
+#[test]
+fn a_file_whose_identity_key_is_missing_or_damaged_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db");
+    let d = Delivery::new(SCOPE, "evt-1", "t", b"x");
+    let ok = |_: &mut Tx<'_>, _: &Delivery<'_>| -> anyhow::Result<()> { Ok(()) };
+    let mut inbox = Inbox::open(&path, Config::default()).unwrap();
+    assert!(matches!(inbox.process(&d, ok), Ok(Outcome::Processed)));
+    drop(inbox);
+    let conn = Connection::open(&path).unwrap();
+    let key: Vec<u8> = conn
+        .query_row(
+            "SELECT value FROM inbox_meta WHERE name = 'id_key'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    for damage in [
+        "DELETE FROM inbox_meta WHERE name = 'id_key'",
+        "UPDATE inbox_meta SET value = zeroblob(32) WHERE name = 'id_key'",
+    ] {
+        conn.execute_batch(damage).unwrap();
+        match Inbox::open(&path, Config::default()) {
+            Err(Error::InvalidArgument(why)) => assert!(why.contains("identity key"), "{why}"),
+            other => panic!("{damage}: {:?}", other.map(drop)),
+        }
+        conn.execute(
+            "INSERT OR REPLACE INTO inbox_meta (name, value) VALUES ('id_key', ?1)",
+            [&key],
+        )
+        .unwrap();
+    }
+    drop(conn);
+    let mut inbox = Inbox::open(&path, Config::default()).unwrap();
+    assert!(matches!(inbox.process(&d, ok), Ok(Outcome::Duplicate)));
+}

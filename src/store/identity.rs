@@ -179,11 +179,12 @@ impl IdKey {
         }
     }
 
-    /// A key from `bytes` as stored in the database (`None`, or of the wrong length: unkeyed).
-    pub(crate) fn from_stored(bytes: Option<&[u8]>) -> IdKey {
-        match bytes.and_then(|b| <[u8; ID_KEY_LEN]>::try_from(b).ok()) {
-            Some(secret) => IdKey::from_secret(secret),
-            None => IdKey::UNKEYED,
+    /// A key from its value as stored in the database: NULL is unkeyed (a file migrated from version 1);
+    /// `None` for bytes of another length than [`ID_KEY_LEN`].
+    pub(crate) fn from_stored(bytes: Option<&[u8]>) -> Option<IdKey> {
+        match bytes {
+            None => Some(IdKey::UNKEYED),
+            Some(b) => <[u8; ID_KEY_LEN]>::try_from(b).ok().map(IdKey::from_secret),
         }
     }
 

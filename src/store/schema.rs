@@ -621,7 +621,30 @@ fn install_or_migrate(conn: &Connection, order: IdOrder) -> Result<()> {
 /// The identity key of the database on `conn` ([`IdKey::UNKEYED`](crate::IdKey::UNKEYED) for a file of
 /// schema version 1, migrated or not), with the file's layout ([`IdOrder::Hashed`] before version 6).
 pub(crate) fn id_key(conn: &Connection) -> Result<IdKey> {
-    let key = IdKey::from_stored(meta(conn, "id_key")?.as_deref());
+    let key = if version(conn)? < 2 {
+        IdKey::UNKEYED
+    } else {
+        use rusqlite::OptionalExtension;
+        // NULL: a file migrated from version 1 keeps its unkeyed hashes. No row, or another length: damage
+        // or an edit, and hashing under any other key would miss every stored identity.
+        let stored: Option<Option<Vec<u8>>> = conn
+            .prepare_cached("SELECT value FROM inbox_meta WHERE name = 'id_key'")?
+            .query_row([], |r| r.get(0))
+            .optional()?;
+        match stored {
+            None => return Err(Error::InvalidArgument(
+                "the file records no identity key (inbox_meta 'id_key'): it was damaged or edited"
+                    .into(),
+            )),
+            Some(bytes) => IdKey::from_stored(bytes.as_deref()).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "the file's identity key is {} bytes, not {}: it was damaged or edited",
+                    bytes.as_ref().map_or(0, Vec::len),
+                    crate::store::identity::ID_KEY_LEN
+                ))
+            })?,
+        }
+    };
     let order = match meta(conn, "id_order")? {
         // From version 6 every file records its layout: guessing one for a file that lost the row could
         // miss every stored identity and apply redeliveries again.
