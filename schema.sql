@@ -183,7 +183,8 @@ CREATE INDEX messages_open_by_key ON messages (scope_id, order_key, seq) WHERE s
 -- refused it too many times; kept for an operator, no longer holding back the rows after it).
 -- message_id is derived from the causing delivery's identity and the message's index within the handler call
 -- (see src/outbox.rs), so a retried handler writes the same ids. properties: CBOR (NULL when empty).
--- attempts counts publishes the broker refused (a PUBACK with a failure reason code).
+-- attempts counts publishes the broker refused (a PUBACK with a failure reason code, or a connection it
+-- closed right after the row was written alone).
 -- created_at and sent_at are Unix seconds. Sent rows are deleted by a prune pass (Pruning::sent_outbox) or
 -- Inbox::prune_outbox.
 CREATE TABLE outbox (

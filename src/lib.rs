@@ -294,9 +294,12 @@
 //! A failed sync of the database file, after the checkpoint thread copied pages into it, leaves those pages
 //! on the disk only in the WAL, which may then never start over: the thread keeps it, commits go on
 //! (durable in the WAL) until it holds four checkpoint thresholds, and from then on each is refused as
-//! retryable storage trouble, nothing acked, until the inbox is opened again; the next open copies the WAL
-//! back with working syncs (`tests/checkpoint_rounds.rs`). So the WAL does not fill the disk, and a consumer
-//! whose storage retries run out ends its run with the error, for the application to open the inbox again.
+//! retryable storage trouble, nothing acked, until the inbox is opened again once every connection to the
+//! file is closed (the relay's and a worker's inboxes too: a connection left open keeps SQLite's record
+//! that those pages were copied, and a checkpoint after the reopening would then start the WAL over without
+//! them); that open copies the WAL back with working syncs (`tests/checkpoint_rounds.rs`). So the WAL does
+//! not fill the disk, and a consumer whose storage retries run out ends its run with the error, for the
+//! application to close the file's inboxes and open them again.
 //!
 //! ## Received-then-deferred mode
 //!

@@ -445,7 +445,8 @@ pub struct OutboxBacklog {
     pub oldest_pending_age: Option<Duration>,
     /// Messages confirmed and not yet pruned ([`Inbox::prune_outbox`]).
     pub sent: u64,
-    /// Publishes the broker refused so far (PUBACK with a failure reason code), summed over pending rows.
+    /// Publishes the broker refused so far (PUBACK with a failure reason code, or a connection it closed
+    /// right after the row was written alone), summed over pending rows.
     pub refusals: u64,
     /// Messages parked after too many refusals ([`RelayConfig::max_refusals`](crate::RelayConfig)): kept,
     /// not sent, until [`Inbox::requeue_parked_outbox`].

@@ -401,7 +401,7 @@ fn rows_committed_without_a_sync_are_published_only_after_one() {
 /// takes no topic of more than 200 levels. The relay counts each such loss right after the row as a refusal
 /// and parks it, instead of sending it first at every reconnection for ever.
 fn a_row_the_broker_closes_the_connection_over_is_parked_and_the_rest_go_on() {
-    let broker = Broker::start();
+    let broker = Broker::mosquitto();
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("inbox.db");
     let sub = Subscriber::start(broker.port, "edges-sub-deep", "stock/deep/#");

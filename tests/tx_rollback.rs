@@ -202,9 +202,6 @@ fn worker_commits_nothing_after_sqlite_rolled_back() {
     assert!(wrong.is_empty(), "{wrong:#?}");
 }
 
-/// Outside its transaction (after a `ROLLBACK` of its own) a handler's `PRAGMA synchronous` and
-/// `PRAGMA journal_mode` take effect: lowered there, they would weaken every later commit. The call fails,
-/// and the next transaction puts both back and reads them back before it begins.
 /// The same settings lowered by the application through `Inbox::connection()` between two deliveries: the
 /// next commit is made at the configured level again, not at the application's.
 #[test]
@@ -241,6 +238,9 @@ fn settings_lowered_through_the_connection_are_put_back_before_the_next_commit()
     assert_eq!(during_commit(&mut inbox, "third"), (2, "wal".to_owned()));
 }
 
+/// Outside its transaction (after a `ROLLBACK` of its own) a handler's `PRAGMA synchronous` and
+/// `PRAGMA journal_mode` take effect: lowered there, they would weaken every later commit. The call fails,
+/// and the next transaction puts both back and reads them back before it begins.
 #[test]
 fn settings_a_handler_changes_outside_its_transaction_are_put_back() {
     let dir = tempfile::tempdir().unwrap();

@@ -54,10 +54,12 @@ impl RelayConfig {
     }
 
     /// How many times the broker may refuse one message (a PUBACK with a failure reason code, e.g. not
-    /// authorised, or a connection lost within 2 s after the message was the first one written on it, before
-    /// any PUBACK: a broker that closes the connection over a packet) before it is parked: kept in the outbox, counted in
-    /// [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding back the messages after it, until
-    /// [`Inbox::requeue_parked_outbox`]. Default 5.
+    /// authorised; or a connection the broker closed within 2 s after the message was written, alone in
+    /// flight, before its PUBACK, without a DISCONNECT naming another cause: a broker that closes the
+    /// connection over a packet) before it is parked. Two relays under one client id, which take the session
+    /// from each other, can have rows counted so too: give each relay a client id of its own. Parked: kept
+    /// in the outbox, counted in [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding back the
+    /// messages after it, until [`Inbox::requeue_parked_outbox`]. Default 5.
     pub fn max_refusals(mut self, refusals: u32) -> Self {
         self.max_refusals = refusals.max(1);
         self
@@ -100,8 +102,9 @@ pub struct RelayStats {
     /// Rows marked sent in the database.
     pub marked: u64,
     /// PUBACKs with a failure reason code (the row stays pending and is sent again after a backoff, or is
-    /// parked after [`RelayConfig::max_refusals`]), and rows parked unsent because they exceed the broker's
-    /// Maximum Packet Size.
+    /// parked after [`RelayConfig::max_refusals`]), connections the broker closed right after a row written
+    /// alone (counted against it the same way), and rows parked unsent because the broker's CONNACK rules
+    /// them out.
     pub refused: u64,
     /// Connections accepted by the broker.
     pub connections: u64,
@@ -119,8 +122,9 @@ pub struct RelayStats {
 /// - **Durable first.** A row is published only after a sync of the WAL that began after its commit: a writer
 ///   that commits without a sync of its own (commits overlapping their syncs on a slow card, or
 ///   [`Synchronous::Normal`](crate::Synchronous)) could lose the row, and the effect it came with, at a power
-///   cut, and the message would then be one the gateway never made. One sync per batch of rows read; short
-///   when the writer has synced them already.
+///   cut, and the message would then be one the gateway never made. The relay syncs at most once per
+///   [`RelayConfig::poll_interval`] for the rows committed since its last sync (a device flush even when the
+///   writer synced them: one for many rows), so a new row waits up to that interval more.
 /// - **At least once, stable id.** A crash or a lost connection between the publish and the mark leaves
 ///   the row pending; the next connection (or the next relay, after a restart) sends it again with the same
 ///   message id, which an edge-inbox consumer downstream deduplicates. Rows are never marked before their
@@ -197,6 +201,10 @@ impl Relay {
                         stop,
                         stats,
                         suspects: Vec::new(),
+                        durable_through: 0,
+                        synced_at: None,
+                        sync_retry_at: None,
+                        sync_backoff: FIRST_BACKOFF,
                     }
                     .run()
                 })
@@ -227,7 +235,8 @@ impl Relay {
     }
 
     /// Stops publishing new rows, waits up to [`RelayConfig::drain`] for the PUBACKs of those in flight,
-    /// marks them, disconnects and joins the thread. Returns the final counts.
+    /// marks them, disconnects (waiting up to 6 s for the connection to end; a dead link is left to time out
+    /// on its own) and joins the thread. Returns the final counts.
     pub fn stop(mut self) -> RelayStats {
         self.shutdown();
         self.stats()
@@ -279,7 +288,12 @@ enum RelayEvent {
         pkid: u16,
         ok: bool,
     },
-    Lost(String),
+    /// The connection ended; `blames_a_packet` unless the broker's DISCONNECT named a cause that is not
+    /// about what it was sent (another connection took the session, the server shuts down, a quota).
+    Lost {
+        why: String,
+        blames_a_packet: bool,
+    },
 }
 
 /// One connection: a fresh rumqttc client, so that nothing of an earlier connection is replayed behind our
@@ -325,9 +339,54 @@ impl Link {
         // The flag first: the poll thread, woken by the DISCONNECT, then waits no longer than its grace.
         self.stop.store(true, Ordering::SeqCst);
         let _ = self.client.try_disconnect();
+        // rumqttc reads no request while its in-flight window is full, the DISCONNECT included: on a dead
+        // link the poll thread could wait for the next keep-alive. It is left to end on its own then.
+        let deadline = Instant::now() + CLOSE_WAIT;
+        loop {
+            match self
+                .rx
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            {
+                Ok(_) => continue,
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    log::warn!(
+                        "outbox relay: the connection's poll thread did not end within {CLOSE_WAIT:?}; \
+                         left to end with its connection"
+                    );
+                    return;
+                }
+            }
+        }
         if let Some(p) = self.poller.take() {
             let _ = p.join();
         }
+    }
+}
+
+/// Whether the end of a connection can have been over a packet the relay sent: a plain close or error, or a
+/// DISCONNECT whose reason code is about a packet (malformed, not authorised, a topic the broker does not
+/// take), not about the session or the server.
+fn blames_a_packet(e: &rumqttc::v5::ConnectionError) -> bool {
+    use rumqttc::v5::mqttbytes::v5::DisconnectReasonCode as R;
+    match e {
+        rumqttc::v5::ConnectionError::MqttState(rumqttc::v5::StateError::ServerDisconnect {
+            reason_code,
+            ..
+        }) => matches!(
+            reason_code,
+            R::UnspecifiedError
+                | R::MalformedPacket
+                | R::ProtocolError
+                | R::ImplementationSpecificError
+                | R::NotAuthorized
+                | R::TopicNameInvalid
+                | R::PacketTooLarge
+                | R::PayloadFormatInvalid
+                | R::RetainNotSupported
+                | R::QoSNotSupported
+        ),
+        _ => true,
     }
 }
 
@@ -361,7 +420,11 @@ fn poll(mut conn: rumqttc::v5::Connection, tx: Sender<RelayEvent>, stop: Arc<Ato
             Ok(_) => continue,
             Err(e) => {
                 // A fresh link is opened for the next attempt; this one is done.
-                let _ = tx.send(RelayEvent::Lost(e.to_string()));
+                let blames_a_packet = blames_a_packet(&e);
+                let _ = tx.send(RelayEvent::Lost {
+                    why: e.to_string(),
+                    blames_a_packet,
+                });
                 return;
             }
         };
@@ -373,8 +436,13 @@ fn poll(mut conn: rumqttc::v5::Connection, tx: Sender<RelayEvent>, stop: Arc<Ato
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 
-/// A connection lost within this time after writing its first row, before any PUBACK, counts as a refusal of
-/// that row ([`RelayLoop::lost_after`]): a broker closes the connection over a packet as soon as it reads it.
+/// How long closing a connection waits for its poll thread: the thread's own grace for the DISCONNECT, and
+/// a second more.
+const CLOSE_WAIT: Duration = Duration::from_secs(6);
+
+/// A connection lost within this time after a write makes the rows still in flight suspects, and a row
+/// written alone a refusal ([`RelayLoop::lost_after`]): a broker closes the connection over a packet as soon
+/// as it reads it.
 const SUSPECT_LOSS: Duration = Duration::from_secs(2);
 
 /// How a connection ended.
@@ -382,6 +450,7 @@ enum Ended {
     Stopped,
     Lost {
         was_connected: bool,
+        blames_a_packet: bool,
     },
     /// The broker refused a publish: start over from the oldest pending row after a backoff.
     Refused,
@@ -397,6 +466,13 @@ struct RelayLoop {
     /// have closed it over one of them. While any is left, rows go one at a time, so that a loss right
     /// after one names it ([`RelayLoop::lost_after`]).
     suspects: Vec<i64>,
+    /// Rows up to this seq were committed before a successful sync of the WAL began: they may be published.
+    durable_through: i64,
+    /// When the latest sync for new rows began: at most one per poll interval.
+    synced_at: Option<Instant>,
+    /// After a failed sync, none before this; the wait doubles up to the longest backoff.
+    sync_retry_at: Option<Instant>,
+    sync_backoff: Duration,
 }
 
 /// Rows of one connection on their way to being marked sent.
@@ -412,8 +488,8 @@ struct Flight {
     cursor: i64,
     /// When to look again for pending rows behind the cursor (rows requeued from parked).
     behind_at: Option<Instant>,
-    /// When this connection last wrote a QoS 1 row to the broker.
-    last_written: Option<Instant>,
+    /// When this connection last wrote a QoS 1 row to the broker, and whether it went one at a time then.
+    last_written: Option<(Instant, bool)>,
 }
 
 impl Flight {
@@ -457,21 +533,22 @@ impl RelayLoop {
                 ..Flight::default()
             };
             self.keep_pending_suspects();
-            let probing = !self.suspects.is_empty();
             let ended = self.connection(&link, &mut flight);
-            // Lost right after a write, with rows still unacknowledged: one of them may be why.
-            let in_flight_at_loss: Vec<i64> = match ended {
-                Ended::Lost {
-                    was_connected: true,
-                } if flight
-                    .last_written
-                    .is_some_and(|at| at.elapsed() <= SUSPECT_LOSS) =>
-                {
+            // Lost right after a write, with rows still unacknowledged: one of them may be why. `probing`:
+            // that write went one at a time.
+            let (in_flight_at_loss, probing) = match (&ended, flight.last_written) {
+                (
+                    Ended::Lost {
+                        was_connected: true,
+                        blames_a_packet: true,
+                    },
+                    Some((at, probing)),
+                ) if at.elapsed() <= SUSPECT_LOSS => {
                     let mut seqs: Vec<i64> = flight.unacked.values().copied().collect();
                     seqs.sort_unstable();
-                    seqs
+                    (seqs, probing)
                 }
-                _ => Vec::new(),
+                _ => (Vec::new(), false),
             };
             // Only a connection that got a row confirmed resets the backoff: one that drops each time a row
             // is sent (a row the broker cannot take) must not reconnect in a tight loop.
@@ -487,7 +564,7 @@ impl RelayLoop {
                     self.nap(backoff);
                     backoff = (backoff * 2).min(self.config.max_backoff);
                 }
-                Ended::Lost { was_connected } => {
+                Ended::Lost { was_connected, .. } => {
                     self.bump(|s| s.connection_failures += 1);
                     match in_flight_at_loss[..] {
                         [] => {}
@@ -517,6 +594,7 @@ impl RelayLoop {
              before its PUBACK; counted as a refusal of that message",
             SUSPECT_LOSS.as_secs()
         );
+        self.bump(|s| s.refused += 1);
         match self.inbox.outbox_refused(seq, self.config.max_refusals) {
             Ok(true) => {
                 self.suspects.retain(|s| *s != seq);
@@ -588,6 +666,7 @@ impl RelayLoop {
                 Err(RecvTimeoutError::Disconnected) => {
                     return Ended::Lost {
                         was_connected: connected,
+                        blames_a_packet: false,
                     }
                 }
             };
@@ -605,7 +684,7 @@ impl RelayLoop {
                             self.bump(|s| s.confirmed += 1);
                         }
                         Some((seq, _)) => {
-                            flight.last_written = Some(Instant::now());
+                            flight.last_written = Some((Instant::now(), !self.suspects.is_empty()));
                             flight.unacked.insert(pkid, seq);
                         }
                         None => log::warn!("outbox relay: publish {pkid} that was not queued"),
@@ -636,7 +715,10 @@ impl RelayLoop {
                             return Ended::Refused;
                         }
                     },
-                    RelayEvent::Lost(why) => {
+                    RelayEvent::Lost {
+                        why,
+                        blames_a_packet,
+                    } => {
                         if connected {
                             log::warn!(
                                 "outbox relay lost its connection: {why}; unconfirmed messages are sent again"
@@ -646,6 +728,7 @@ impl RelayLoop {
                         }
                         return Ended::Lost {
                             was_connected: connected,
+                            blames_a_packet,
                         };
                     }
                 }
@@ -666,7 +749,7 @@ impl RelayLoop {
         allowed: Allowed,
     ) -> Result<(), Ended> {
         let room = window - flight.outstanding();
-        let rows = match self.behind(flight, room).and_then(|mut rows| {
+        let mut rows = match self.behind(flight, room).and_then(|mut rows| {
             let more = self
                 .inbox
                 .outbox_pending(flight.cursor, room - rows.len())?;
@@ -680,15 +763,9 @@ impl RelayLoop {
                 return Ok(());
             }
         };
-        if rows.is_empty() {
-            return Ok(());
-        }
         // Nothing is published before the commit that wrote it is on the disk.
-        if let Err(e) = self.inbox.outbox_make_durable() {
-            self.bump(|s| s.storage_errors += 1);
-            log::warn!("outbox relay cannot sync the outbox's new rows: {e}; retrying");
-            return Ok(());
-        }
+        self.make_durable(&rows);
+        rows.retain(|r| r.seq <= self.durable_through);
         for row in rows {
             let mut props = PublishProperties {
                 user_properties: Vec::with_capacity(row.properties.user_properties.len() + 2),
@@ -734,6 +811,7 @@ impl RelayLoop {
             if let Some(why) = refused {
                 match self.inbox.outbox_park(row.seq) {
                     Ok(()) => {
+                        self.suspects.retain(|s| *s != row.seq);
                         self.bump(|s| s.refused += 1);
                         log::error!(
                             "outbox message seq {} {why}: parked for an operator \
@@ -760,6 +838,7 @@ impl RelayLoop {
                 log::warn!("outbox relay could not queue a publish: {e}");
                 return Err(Ended::Lost {
                     was_connected: true,
+                    blames_a_packet: false,
                 });
             }
             flight.queued.push_back((row.seq, row.qos));
@@ -767,6 +846,40 @@ impl RelayLoop {
             self.bump(|s| s.published += 1);
         }
         Ok(())
+    }
+
+    /// Syncs the WAL when `rows` holds some that no sync covered yet, at most once per poll interval (rows
+    /// committed meanwhile wait for the next: one device flush for many rows, on storage where each costs
+    /// milliseconds and wear), and not before the backoff after a failed one.
+    fn make_durable(&mut self, rows: &[crate::outbox::OutboxRow]) {
+        let Some(newest) = rows.iter().map(|r| r.seq).max() else {
+            return;
+        };
+        let now = Instant::now();
+        if newest <= self.durable_through
+            || self.synced_at.is_some_and(|t| now < t + self.config.poll)
+            || self.sync_retry_at.is_some_and(|t| now < t)
+        {
+            return;
+        }
+        self.synced_at = Some(now);
+        // Every row read was committed before this sync begins; a row committed later has a higher seq.
+        match self.inbox.outbox_make_durable() {
+            Ok(()) => {
+                self.durable_through = newest;
+                self.sync_retry_at = None;
+                self.sync_backoff = FIRST_BACKOFF;
+            }
+            Err(e) => {
+                self.bump(|s| s.storage_errors += 1);
+                log::warn!(
+                    "outbox relay cannot sync the outbox's new rows: {e}; trying again in {:?}",
+                    self.sync_backoff
+                );
+                self.sync_retry_at = Some(now + self.sync_backoff);
+                self.sync_backoff = (self.sync_backoff * 2).min(self.config.max_backoff);
+            }
+        }
     }
 
     /// Pending rows behind the cursor that this connection does not hold (put back by
@@ -829,4 +942,49 @@ fn packet_size(topic: &str, qos: Q5, payload: &[u8], props: &PublishProperties) 
         p.pkid = 1;
     }
     p.size()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rumqttc::v5::mqttbytes::v5::DisconnectReasonCode as R;
+    use rumqttc::v5::{ConnectionError, StateError};
+
+    fn disconnect(reason_code: R) -> ConnectionError {
+        ConnectionError::MqttState(StateError::ServerDisconnect {
+            reason_code,
+            reason_string: None,
+        })
+    }
+
+    /// A DISCONNECT that names the session or the server (another client took the session, the server shuts
+    /// down, a quota) is no row's fault; one about a packet, or a plain close, may be.
+    #[test]
+    fn only_a_loss_that_can_be_over_a_packet_blames_one() {
+        for reason in [
+            R::SessionTakenOver,
+            R::ServerShuttingDown,
+            R::ServerBusy,
+            R::KeepAliveTimeout,
+            R::QuotaExceeded,
+            R::AdministrativeAction,
+            R::UseAnotherServer,
+            R::NormalDisconnection,
+        ] {
+            assert!(!blames_a_packet(&disconnect(reason)), "{reason:?}");
+        }
+        for reason in [
+            R::MalformedPacket,
+            R::ProtocolError,
+            R::TopicNameInvalid,
+            R::NotAuthorized,
+            R::PacketTooLarge,
+            R::UnspecifiedError,
+        ] {
+            assert!(blames_a_packet(&disconnect(reason)), "{reason:?}");
+        }
+        assert!(blames_a_packet(&ConnectionError::MqttState(
+            StateError::ConnectionAborted
+        )));
+    }
 }

@@ -69,7 +69,8 @@ impl Inbox {
     }
 
     /// One bounded step of pruning over every scope with a policy: a window of `batch` stored messages, or of
-    /// one scope's identities, or `vacuum_pages` of free space, or a WAL checkpoint. Each step is its own short
+    /// one scope's identities or records, or `batch` sent outbox messages ([`Pruning::sent_outbox`]), or
+    /// `vacuum_pages` of free space, or a WAL checkpoint. Each step is its own short
     /// `BEGIN IMMEDIATE` transaction. Call it repeatedly (or use [`Inbox::prune`]) until the report says
     /// `done`; the next call starts a new pass.
     ///
@@ -246,7 +247,13 @@ impl Inbox {
         };
         let before = now.saturating_sub(age.as_secs().min(i64::MAX as u64) as i64);
         let batch = opts.batch as i64;
-        let deleted = self.write_step(|conn, _| crate::outbox::delete_sent(conn, before, batch))?;
+        let deleted = self.write_step(|conn, _| {
+            // Marked sent under a clock that could not be right (a gateway booted at 1970): aged from now
+            // instead, as messages and records are, never deleted on the bad time.
+            conn.prepare_cached("UPDATE outbox SET sent_at = ?1 WHERE state = 1 AND sent_at < ?2")?
+                .execute((now, clock_floor(conn)?))?;
+            crate::outbox::delete_sent(conn, before, batch)
+        })?;
         report.outbox_pruned += deleted as u64;
         if (deleted as i64) < batch {
             self.retention.phase = Phase::Vacuum;

@@ -13,7 +13,7 @@ use crate::store::txn::{begin, commit};
 impl Inbox {
     /// One step of the records phase: up to `batch` quarantine rows and `batch` conflict rows of the next scope
     /// with a record age, in one short write transaction. Moves to the next scope once one has nothing more due,
-    /// and to the vacuum phase after the last.
+    /// and to the outbox phase after the last.
     pub(super) fn prune_records(
         &mut self,
         opts: &Pruning,

@@ -49,10 +49,11 @@
 //! them as copied: the thread then keeps its pin until it stops, so the WAL never starts over, checkpoints no
 //! more, and the inbox closes without SQLite's final checkpoint or any write (`Db`'s drop), leaving the next
 //! open to replay the WAL. Commits go on meanwhile, durable in the WAL, until it holds [`UNSYNCED_WAL_CAP`]
-//! thresholds; then each is refused as storage trouble (nothing acked) until the inbox is opened again,
-//! which copies the WAL back with working syncs. That holds when the inbox's connections are the file's last: another connection
-//! open on it then (a second inbox, another process) knows nothing of the failure, and its own checkpoints
-//! and writes may start the WAL over once the pin is gone; not covered.
+//! thresholds; then each is refused as storage trouble (nothing acked) until the inbox is opened again
+//! with no other connection left on the file, which copies the WAL back with working syncs. That holds when
+//! the inbox's connections are the file's last: another connection open on it then (a second inbox,
+//! another process) knows nothing of the failure, and its own checkpoints and writes may start the WAL over
+//! once the pin is gone; not covered.
 //!
 //! The bytes it copied into the database file are handed to the committing connection's counters, which
 //! save them with their own ([`Wear::stage`](crate::store::wear::Wear::stage)).
