@@ -137,7 +137,7 @@ pub struct RelayStats {
 ///   while it was parked (the relay looks for rows requeued behind it once per
 ///   [`RelayConfig::poll_interval`], without reconnecting). Only these two cases reorder.
 /// - **Parked, not stuck.** A row the broker refused [`RelayConfig::max_refusals`] times (a connection it
-///   closed right after the row, before any PUBACK, counts as a refusal), or one its CONNACK
+///   closed right after the row was written alone, before its PUBACK, counts as a refusal), or one its CONNACK
 ///   rules out (larger than its Maximum Packet Size, retained where Retain Available is false, QoS 1 where
 ///   its Maximum QoS is 0: it could never be sent, and the broker would close the connection on it), is
 ///   parked: kept, counted in [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding back the
