@@ -304,49 +304,9 @@ struct Proxy {
 
 impl Proxy {
     fn start(upstream: u16) -> Proxy {
-        use std::io::{Read, Write};
-        use std::net::{Shutdown, TcpListener, TcpStream};
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
         let hold = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let held = hold.clone();
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(client) = client else { return };
-                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
-                    continue; // the broker is down: the client retries
-                };
-                let (mut c_in, mut s_out) =
-                    (client.try_clone().unwrap(), server.try_clone().unwrap());
-                std::thread::spawn(move || {
-                    let mut buf = [0u8; 16384];
-                    while let Ok(n) = c_in.read(&mut buf) {
-                        if n == 0 || s_out.write_all(&buf[..n]).is_err() {
-                            break;
-                        }
-                    }
-                    let _ = s_out.shutdown(Shutdown::Both);
-                });
-                let held = held.clone();
-                let (mut s_in, mut c_out) = (server, client);
-                std::thread::spawn(move || {
-                    let mut kept = Vec::new();
-                    let mut buf = [0u8; 16384];
-                    while let Ok(n) = s_in.read(&mut buf) {
-                        if n == 0 {
-                            break;
-                        }
-                        if held.load(Ordering::SeqCst) {
-                            kept.extend_from_slice(&buf[..n]);
-                        } else if c_out.write_all(&buf[..n]).is_err() {
-                            break;
-                        }
-                    }
-                    let _ = c_out.write_all(&kept);
-                    let _ = c_out.shutdown(Shutdown::Both);
-                });
-            }
-        });
+        let port = common::proxy(upstream, move |_| !held.load(Ordering::SeqCst));
         Proxy { port, hold }
     }
 }

@@ -335,11 +335,9 @@ fn deferred_worker_handlers_publish_with_ids_derived_from_the_stored_message() {
     assert_eq!(got[0].1, outbox_message_id(SCOPE, Some("shop"), "evt-5", 0));
 }
 
-#[test]
-fn prune_outbox_deletes_only_sent_rows_older_than_asked() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut inbox = open(&dir);
-    for i in 0..5 {
+/// Processes deliveries `evt-0` .. `evt-{n-1}`, each publishing two outbox messages.
+fn publish_each(inbox: &mut Inbox, n: usize) {
+    for i in 0..n {
         let id = format!("evt-{i}");
         inbox
             .process(
@@ -348,6 +346,13 @@ fn prune_outbox_deletes_only_sent_rows_older_than_asked() {
             )
             .unwrap();
     }
+}
+
+#[test]
+fn prune_outbox_deletes_only_sent_rows_older_than_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut inbox = open(&dir);
+    publish_each(&mut inbox, 5);
     // As the relay would after PUBACKs: the first four rows were confirmed, two of them long ago.
     let conn = inbox.connection();
     conn.execute(
@@ -429,15 +434,7 @@ fn a_full_disk_while_publishing_fails_the_batch_even_when_the_handler_swallows_i
 fn a_prune_pass_deletes_sent_outbox_messages_past_their_age_and_nothing_else() {
     let dir = tempfile::tempdir().unwrap();
     let mut inbox = open(&dir);
-    for i in 0..40 {
-        let id = format!("evt-{i}");
-        inbox
-            .process(
-                &Delivery::new(SCOPE, &id, "orders", b"x"),
-                reserve_and_publish,
-            )
-            .unwrap();
-    }
+    publish_each(&mut inbox, 40);
     let total = inbox.outbox_backlog().unwrap().pending;
     assert_eq!(total, 80);
     let day = 86_400;

@@ -9,7 +9,7 @@ mod outbox_support;
 mod wrap_vfs;
 
 use std::ffi::c_int;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Once};
 use std::time::Duration;
@@ -19,6 +19,7 @@ use edge_inbox::rusqlite::ffi;
 use edge_inbox::{
     Config, Delivery, Inbox, MqttConfig, OutboxProperties, Qos, Relay, RelayConfig, Synchronous, Tx,
 };
+use outbox_support::relay::commit_routed;
 use outbox_support::Subscriber;
 
 const SCOPE: &str = "relay-edges";
@@ -55,6 +56,20 @@ fn one_parked_two_sent(
     (stats, sub.got().into_iter().map(|g| g.payload).collect())
 }
 
+/// A new inbox file, and a subscriber to `filter` on `broker`: the file's directory (removed when dropped),
+/// its path, the subscriber and the inbox.
+fn files(
+    broker: &Broker,
+    subscriber: &str,
+    filter: &str,
+) -> (tempfile::TempDir, PathBuf, Subscriber, Inbox) {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("inbox.db");
+    let sub = Subscriber::start(broker.port, subscriber, filter);
+    let inbox = Inbox::open(&db, Config::default()).unwrap();
+    (dir, db, sub, inbox)
+}
+
 fn relay(db: &Path, port: u16, client: &str) -> Relay {
     Relay::start_with(
         Inbox::open(db, Config::default()).unwrap(),
@@ -74,10 +89,7 @@ fn sent_at(props: &[(String, String)]) -> Vec<&str> {
 
 fn every_message_carries_its_commit_time_as_sent_at_also_when_resent() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("inbox.db");
-    let sub = Subscriber::start(broker.port, "edges-sub-sent-at", "stock/sent-at/#");
-    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
+    let (_dir, db, sub, mut inbox) = files(&broker, "edges-sub-sent-at", "stock/sent-at/#");
     commit(
         &mut inbox,
         "stock/sent-at/x",
@@ -158,10 +170,7 @@ fn every_message_carries_its_commit_time_as_sent_at_also_when_resent() {
 
 fn a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on() {
     let broker = Broker::start_with_options("max_packet_size 2048");
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("inbox.db");
-    let sub = Subscriber::start(broker.port, "edges-sub-big", "stock/big/#");
-    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
+    let (_dir, db, sub, mut inbox) = files(&broker, "edges-sub-big", "stock/big/#");
     let big = vec![b'x'; 4096];
     commit(
         &mut inbox,
@@ -182,10 +191,7 @@ fn a_row_over_the_brokers_maximum_packet_size_is_parked_and_the_rest_go_on() {
 
 fn a_parked_row_requeued_while_the_relay_is_connected_is_sent_on_that_connection() {
     let broker = Broker::start_with_options("max_packet_size 2048");
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("inbox.db");
-    let sub = Subscriber::start(broker.port, "edges-sub-requeue", "stock/requeue/#");
-    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
+    let (_dir, db, sub, mut inbox) = files(&broker, "edges-sub-requeue", "stock/requeue/#");
     commit(
         &mut inbox,
         "stock/requeue/x",
@@ -236,23 +242,11 @@ fn a_parked_row_requeued_while_the_relay_is_connected_is_sent_on_that_connection
 /// connection on it at every reconnection, holding back every row behind it. The relay parks it instead.
 fn a_row_the_brokers_connack_rules_out_is_parked_and_the_rest_go_on() {
     let broker = Broker::start_with_options("retain_available false");
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("inbox.db");
-    let sub = Subscriber::start(broker.port, "edges-sub-retain", "stock/retain/#");
-    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
-    let ids = ["evt-0", "evt-1", "evt-2"];
-    let deliveries: Vec<Delivery<'_>> = ids
-        .iter()
-        .map(|id| Delivery::new(SCOPE, id, "orders", id.as_bytes()))
-        .collect();
-    inbox
-        .process_batch(&deliveries, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
-            let retained = d.message_id == "evt-1";
-            let props = OutboxProperties::new().retain(retained);
-            tx.publish("stock/retain/x", d.payload, Qos::AtLeastOnce, &props)?;
-            Ok(())
-        })
-        .unwrap();
+    let (_dir, db, sub, mut inbox) = files(&broker, "edges-sub-retain", "stock/retain/#");
+    commit_routed(&mut inbox, SCOPE, &["evt-0", "evt-1", "evt-2"], |id| {
+        let props = OutboxProperties::new().retain(id == "evt-1");
+        ("stock/retain/x".to_owned(), props)
+    });
 
     let relay = relay(&db, broker.port, "edges-relay-retain");
     let (stats, payloads) = one_parked_two_sent(relay, &inbox, &sub);
@@ -266,50 +260,17 @@ fn a_row_the_brokers_connack_rules_out_is_parked_and_the_rest_go_on() {
 /// A proxy on 127.0.0.1 that hands each chunk the broker sends on only after `delay`: a link with a long
 /// round trip (a cellular uplink, a TLS handshake far away). Client to broker goes straight through.
 fn slow_link(upstream: u16, delay: Duration) -> u16 {
-    use std::io::{Read, Write};
-    use std::net::{Shutdown, TcpListener, TcpStream};
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for client in listener.incoming() {
-            let Ok(client) = client else { return };
-            let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
-                continue;
-            };
-            let (mut c_in, mut s_out) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 16384];
-                while let Ok(n) = c_in.read(&mut buf) {
-                    if n == 0 || s_out.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-                let _ = s_out.shutdown(Shutdown::Both);
-            });
-            let (mut s_in, mut c_out) = (server, client);
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 16384];
-                while let Ok(n) = s_in.read(&mut buf) {
-                    std::thread::sleep(delay);
-                    if n == 0 || c_out.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-                let _ = c_out.shutdown(Shutdown::Both);
-            });
-        }
-    });
-    port
+    common::proxy(upstream, move |_| {
+        std::thread::sleep(delay);
+        true
+    })
 }
 
 /// A broker whose CONNACK takes 150 ms to arrive: the relay still connects and sends (its poll once gave up
 /// every connection attempt after 100 ms and started a new one, for ever).
 fn a_relay_connects_over_a_link_slower_than_its_poll_interval() {
     let broker = Broker::start();
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("inbox.db");
-    let sub = Subscriber::start(broker.port, "edges-sub-slow", "stock/slow/#");
-    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
+    let (_dir, db, sub, mut inbox) = files(&broker, "edges-sub-slow", "stock/slow/#");
     commit(&mut inbox, "stock/slow/x", &[b"a".to_vec(), b"b".to_vec()]);
     let port = slow_link(broker.port, Duration::from_millis(150));
     let relay = relay(&db, port, "edges-relay-slow");
@@ -402,27 +363,16 @@ fn rows_committed_without_a_sync_are_published_only_after_one() {
 /// and parks it, instead of sending it first at every reconnection for ever.
 fn a_row_the_broker_closes_the_connection_over_is_parked_and_the_rest_go_on() {
     let broker = Broker::mosquitto();
-    let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("inbox.db");
-    let sub = Subscriber::start(broker.port, "edges-sub-deep", "stock/deep/#");
-    let mut inbox = Inbox::open(&db, Config::default()).unwrap();
-    let ids = ["evt-0", "evt-1", "evt-2"];
+    let (_dir, db, sub, mut inbox) = files(&broker, "edges-sub-deep", "stock/deep/#");
     let deep = format!("stock/deep/{}x", "l/".repeat(200));
-    let deliveries: Vec<Delivery<'_>> = ids
-        .iter()
-        .map(|id| Delivery::new(SCOPE, id, "orders", id.as_bytes()))
-        .collect();
-    inbox
-        .process_batch(&deliveries, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
-            let topic = if d.message_id == "evt-1" {
-                &deep
-            } else {
-                "stock/deep/x"
-            };
-            tx.publish(topic, d.payload, Qos::AtLeastOnce, &OutboxProperties::new())?;
-            Ok(())
-        })
-        .unwrap();
+    commit_routed(&mut inbox, SCOPE, &["evt-0", "evt-1", "evt-2"], |id| {
+        let topic = if id == "evt-1" {
+            deep.clone()
+        } else {
+            "stock/deep/x".to_owned()
+        };
+        (topic, OutboxProperties::new())
+    });
 
     let relay = relay(&db, broker.port, "edges-relay-deep");
     let (stats, mut payloads) = one_parked_two_sent(relay, &inbox, &sub);

@@ -249,3 +249,52 @@ pub fn identity_keys(conn: &rusqlite::Connection) -> Vec<Vec<u8>> {
         .collect::<rusqlite::Result<_>>()
         .unwrap()
 }
+
+/// A TCP proxy on 127.0.0.1 in front of `upstream`; returns its port. What the client sends goes straight
+/// through. Each chunk the server sends is handed to `chunk` first: `true` writes it to the client now (after
+/// whatever `chunk` waited), `false` keeps it back, to be written with everything kept once the server's side
+/// closes, followed by the end of the stream.
+pub fn proxy(upstream: u16, chunk: impl Fn(&[u8]) -> bool + Send + Sync + 'static) -> u16 {
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    let chunk = std::sync::Arc::new(chunk);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { return };
+            let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                continue; // the server is down: the client retries
+            };
+            let (mut c_in, mut s_out) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 16384];
+                while let Ok(n) = c_in.read(&mut buf) {
+                    if n == 0 || s_out.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = s_out.shutdown(Shutdown::Both);
+            });
+            let chunk = chunk.clone();
+            let (mut s_in, mut c_out) = (server, client);
+            std::thread::spawn(move || {
+                let mut kept = Vec::new();
+                let mut buf = [0u8; 16384];
+                while let Ok(n) = s_in.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    if !chunk(&buf[..n]) {
+                        kept.extend_from_slice(&buf[..n]);
+                    } else if c_out.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = c_out.write_all(&kept);
+                let _ = c_out.shutdown(Shutdown::Both);
+            });
+        }
+    });
+    port
+}

@@ -2,11 +2,10 @@
 use std::time::Duration;
 
 use crate::broker::Broker;
-use crate::outbox_support::relay::{commit, first_seen, relay, SCOPE};
+use crate::outbox_support::relay::{commit, commit_routed, first_seen, relay, SCOPE};
 use crate::outbox_support::Subscriber;
 use edge_inbox::{
-    outbox_message_id, Config, Delivery, Inbox, MqttConfig, OutboxProperties, Qos, Relay,
-    RelayConfig, Tx,
+    outbox_message_id, Config, Inbox, MqttConfig, OutboxProperties, Relay, RelayConfig,
 };
 
 pub fn rows_wait_while_the_broker_is_away_and_drain_in_order_when_it_returns() {
@@ -69,23 +68,15 @@ pub fn a_message_the_broker_keeps_refusing_is_parked_and_the_rest_go_on() {
     let db = dir.path().join("inbox.db");
     let sub = Subscriber::start(broker.port, "outbox-sub-acl", "stock/#");
     let mut inbox = Inbox::open(&db, Config::default()).unwrap();
-    let ids = ["p-0", "p-1", "p-2"];
-    let deliveries: Vec<Delivery<'_>> = ids
-        .iter()
-        .map(|id| Delivery::new(SCOPE, id, "orders", id.as_bytes()))
-        .collect();
-    inbox
-        .process_batch(&deliveries, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
-            // The first one goes to a topic the broker's ACL denies.
-            let topic = if d.message_id == "p-0" {
-                "denied/x"
-            } else {
-                "stock/reserved"
-            };
-            tx.publish(topic, d.payload, Qos::AtLeastOnce, &OutboxProperties::new())?;
-            Ok(())
-        })
-        .unwrap();
+    // The first one goes to a topic the broker's ACL denies.
+    commit_routed(&mut inbox, SCOPE, &["p-0", "p-1", "p-2"], |id| {
+        let topic = if id == "p-0" {
+            "denied/x"
+        } else {
+            "stock/reserved"
+        };
+        (topic.to_owned(), OutboxProperties::new())
+    });
     let relay = Relay::start_with(
         Inbox::open(&db, Config::default()).unwrap(),
         MqttConfig::new("127.0.0.1", broker.port, "outbox-relay-acl"),

@@ -56,3 +56,24 @@ pub fn first_seen(sub: &Subscriber, prefix: &str) -> Vec<String> {
     }
     order
 }
+
+/// Commits one delivery per id in `scope` (its payload: the id); each handler call publishes the payload on
+/// the topic, and with the properties, that `route` gives for the id.
+pub fn commit_routed(
+    inbox: &mut Inbox,
+    scope: &str,
+    ids: &[&str],
+    route: impl Fn(&str) -> (String, OutboxProperties),
+) {
+    let deliveries: Vec<Delivery<'_>> = ids
+        .iter()
+        .map(|id| Delivery::new(scope, id, "orders", id.as_bytes()))
+        .collect();
+    inbox
+        .process_batch(&deliveries, |tx: &mut Tx<'_>, d: &Delivery<'_>| {
+            let (topic, props) = route(d.message_id);
+            tx.publish(&topic, d.payload, Qos::AtLeastOnce, &props)?;
+            Ok(())
+        })
+        .unwrap();
+}
