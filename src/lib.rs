@@ -182,9 +182,10 @@
 //! handler swallowed it) or through a statement on [`Tx::sql`] (the connection's own last result code,
 //! read right after the handler returns, says so; an error value alone cannot tell which connection it came
 //! from). Anything else a handler returns is a handler failure, a storage error of another SQLite database the
-//! handler opened itself (on a connection of its own, not attached) included: a lookup file it cannot open (`SQLITE_CANTOPEN`) or read (`SQLITE_IOERR`)
-//! gives [`Outcome::HandlerFailed`], and the consumer's or [`Worker`]'s attempts and dead letter follow, instead of
-//! a retry for ever that holds back every delivery behind it. An interrupt the handler causes (its own
+//! handler opened itself (on a connection of its own, not attached) included: a lookup file it cannot open
+//! (`SQLITE_CANTOPEN`) or read (`SQLITE_IOERR`) gives [`Outcome::HandlerFailed`], and the consumer's or
+//! [`Worker`]'s attempts and dead letter follow, instead of a retry for ever that holds back every delivery
+//! behind it. An interrupt the handler causes (its own
 //! `sqlite3_interrupt`, a progress handler that returns true) is its own too: an interrupted read is a
 //! handler failure when the handler returns the error (through [`Tx`]'s own reads, whatever it returns), and
 //! an interrupted write, which makes SQLite roll the whole transaction back, is
@@ -887,8 +888,8 @@
 //! machine, 1,931 before); keep twice the pruner's figure below theirs when changing either. Other
 //! defaults: 32 rows a step, rest 9 times as long as each step took and at least 10 ms
 //! ([`Pruning::batch`], [`Pruning::idle`], [`Pruning::pause`]). A pass also deletes outbox messages the
-//! broker confirmed more than 7 days ago ([`Pruning::sent_outbox`]; pending and parked ones never). Measured beside a consumer committing one
-//! delivery at a time: BENCHMARKS.md, issue 26.
+//! broker confirmed more than 7 days ago ([`Pruning::sent_outbox`]; pending and parked ones never).
+//! Measured beside a consumer committing one delivery at a time: BENCHMARKS.md, issue 26.
 //!
 //! ```
 //! use edge_inbox::{Config, ExpiredPolicy, Inbox, Pruning, RetentionPolicy};

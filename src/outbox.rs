@@ -290,8 +290,8 @@ fn validate(
             )));
         }
     }
-    // A topic name like the publish topic (MQTT-3.3.2-14): a broker closes the connection on a wildcard there,
-    // at every resend.
+    // A topic name like the publish topic (MQTT-3.3.2-14): a broker closes the connection on a wildcard
+    // there, at every resend.
     if let Some(t) = properties.response_topic.as_deref() {
         if t.is_empty() || t.contains(['+', '#']) {
             return Err(invalid(format!(
@@ -627,12 +627,12 @@ impl Inbox {
         .transpose()
     }
 
-    /// Makes the rows the relay has read durable before it publishes them: a sync of the WAL, which began after
-    /// their commits, so it covers them. A writer that commits without a sync of its own (commits overlapping
-    /// their syncs, or `Synchronous::Normal`) has rows in the WAL a power cut can still take back, and with
-    /// them the effect they came with; a message already published for such a row would then be one the
-    /// gateway never made. When the writer synced them, the file has nothing left to write and the sync is
-    /// short.
+    /// Makes the rows the relay has read durable before it publishes them: a sync of the WAL, which began
+    /// after their commits, so it covers them. A writer that commits without a sync of its own (commits
+    /// overlapping their syncs, or `Synchronous::Normal`) has rows in the WAL a power cut can still take
+    /// back, and with them the effect they came with; a message already published for such a row would
+    /// then be one the gateway never made. The relay calls it at most once per poll interval: even with
+    /// nothing left to write, a sync flushes the device's cache.
     ///
     /// A failed sync is handled as the inbox's own (the WAL is written out again before anything more is
     /// published): the kernel may have marked the lost pages clean, so a second sync alone would not prove

@@ -137,11 +137,11 @@ pub struct RelayStats {
 ///   while it was parked (the relay looks for rows requeued behind it once per
 ///   [`RelayConfig::poll_interval`], without reconnecting). Only these two cases reorder.
 /// - **Parked, not stuck.** A row the broker refused [`RelayConfig::max_refusals`] times (a connection it
-///   closed right after the row was written alone, before its PUBACK, counts as a refusal), or one its CONNACK
-///   rules out (larger than its Maximum Packet Size, retained where Retain Available is false, QoS 1 where
-///   its Maximum QoS is 0: it could never be sent, and the broker would close the connection on it), is
-///   parked: kept, counted in [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding back the
-///   rows after it, until [`Inbox::requeue_parked_outbox`].
+///   closed right after the row was written alone, before its PUBACK, counts as a refusal), or one its
+///   CONNACK rules out (larger than its Maximum Packet Size, retained where Retain Available is false,
+///   QoS 1 where its Maximum QoS is 0: it could never be sent, and the broker would close the connection on
+///   it), is parked: kept, counted in [`OutboxBacklog::parked`](crate::OutboxBacklog), no longer holding
+///   back the rows after it, until [`Inbox::requeue_parked_outbox`].
 /// - **Bounded.** At most [`RelayConfig::inflight`] messages are unconfirmed at a time; while the broker is
 ///   away rows wait in the database and the relay retries with backoff.
 /// - **Threads.** The relay thread owns its [`Inbox`] (open a second one on the same file: reading the
@@ -590,8 +590,8 @@ impl RelayLoop {
     /// refused row is.
     fn lost_after(&mut self, seq: i64) {
         log::warn!(
-            "outbox relay: the connection was lost within {} s after it wrote message seq {seq}, alone in flight, \
-             before its PUBACK; counted as a refusal of that message",
+            "outbox relay: the connection was lost within {} s after it wrote message seq {seq}, alone in \
+             flight, before its PUBACK; counted as a refusal of that message",
             SUSPECT_LOSS.as_secs()
         );
         self.bump(|s| s.refused += 1);
@@ -599,8 +599,9 @@ impl RelayLoop {
             Ok(true) => {
                 self.suspects.retain(|s| *s != seq);
                 log::error!(
-                    "outbox message seq {seq}: the broker refused it or dropped the connection over it {} times: \
-                     parked for an operator (Inbox::requeue_parked_outbox); the messages after it go on",
+                    "outbox message seq {seq}: the broker refused it or dropped the connection over it \
+                     {} times: parked for an operator (Inbox::requeue_parked_outbox); the messages after it \
+                     go on",
                     self.config.max_refusals
                 );
             }

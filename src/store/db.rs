@@ -546,7 +546,6 @@ impl Db {
         }
     }
 
-    /// The error every write reports once the database file is known to be gone, if it is.
     /// Storage trouble, when a failed sync of the database file has kept the WAL from starting over until it
     /// reached its cap (`UNSYNCED_WAL_CAP`): the inbox must be opened again. Logged once.
     pub(crate) fn unsynced_wal_full(&self) -> Option<Error> {
@@ -564,6 +563,7 @@ impl Db {
         Some(storage_error(rusqlite::ffi::SQLITE_IOERR_FSYNC))
     }
 
+    /// The error every write reports once the database file is known to be gone, if it is.
     pub(crate) fn gone(&self) -> Option<Error> {
         self.guard
             .gone

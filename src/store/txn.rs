@@ -21,8 +21,8 @@ pub(crate) fn unix_now() -> i64 {
 pub(crate) fn begin(conn: &Db) -> Result<()> {
     if !conn.is_autocommit() {
         log::warn!(
-            "rolling back a transaction left open on the inbox's connection (by an earlier, interrupted call, \
-             or begun through Inbox::connection and not ended)"
+            "rolling back a transaction left open on the inbox's connection (by an earlier, interrupted \
+             call, or begun through Inbox::connection and not ended)"
         );
         conn.execute_batch("ROLLBACK")?;
     }

@@ -85,7 +85,8 @@ impl WriteBack {
             .flatten();
         if self.fd.is_none() {
             log::debug!(
-                "{}: the checkpoint thread's descriptors of the file are not known; its write-back is not paced",
+                "{}: the checkpoint thread's descriptors of the file are not known; its write-back is not \
+                 paced",
                 self.path.display()
             );
         }
@@ -122,8 +123,8 @@ impl WriteBack {
         let (mut off, mut step, mut wrote) = (0i64, FIRST_STEP, 0);
         while off < len {
             let t = Instant::now();
-            // SAFETY: a plain system call on a descriptor of the checkpoint thread's connections, open while it
-            // runs; no memory is passed.
+            // SAFETY: a plain system call on a descriptor of the checkpoint thread's connections, open while
+            // it runs; no memory is passed.
             if unsafe { libc::sync_file_range(fd, off, step, flags) } != 0 {
                 let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
                 // A failed write-back of the file, now reported to this descriptor and to no later sync

@@ -878,8 +878,8 @@ fn prune(cli: &Cli, path: &Path, apply: bool, as_of: Option<i64>) -> anyhow::Res
              --as-of if it is)"
         ),
         Some(p) => println!(
-            "pruned {} payloads, {} dead letters, {} identities, {} quarantine and {} conflict records, {} sent \
-             outbox messages; {} pages reclaimed in {} steps",
+            "pruned {} payloads, {} dead letters, {} identities, {} quarantine and {} conflict records, \
+             {} sent outbox messages; {} pages reclaimed in {} steps",
             p.payloads,
             p.dead_letters,
             p.identities,
