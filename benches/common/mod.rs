@@ -48,15 +48,17 @@ CREATE TABLE kv (ns TEXT NOT NULL, key TEXT NOT NULL, value BLOB NOT NULL, PRIMA
 pub enum Sync {
     /// `synchronous=FULL`, the inbox default.
     Full,
-    /// `synchronous=OFF`: no fsync at all, for instruction counts only.
-    Off,
+    /// `synchronous=NORMAL`: in WAL mode no sync at commit (only at checkpoints), for instruction counts
+    /// only. The inbox is configured so ([`edge_inbox::Synchronous::Normal`]); it offers no `OFF`, and puts
+    /// back a level lowered through its connection before the next commit.
+    Normal,
 }
 
 impl Sync {
     fn pragma(self) -> i64 {
         match self {
             Sync::Full => 2,
-            Sync::Off => 0,
+            Sync::Normal => 1,
         }
     }
 }
@@ -93,20 +95,13 @@ pub fn inbox_config() -> Config {
     INBOX_CONFIG.get().cloned().unwrap_or_default()
 }
 
-/// Opens an inbox; `Sync::Off` is applied on the inbox's connection after opening (the inbox itself never
-/// offers it: only instruction counts use it).
+/// Opens an inbox at `sync` (`Sync::Normal`: configured with `Synchronous::Normal`).
 pub fn open_inbox(path: &Path, sync: Sync) -> anyhow::Result<Inbox> {
-    let inbox = Inbox::open(path, inbox_config())?;
-    if sync == Sync::Off {
-        inbox
-            .connection()
-            .execute_batch("PRAGMA synchronous = OFF")?;
-        let got: i64 = inbox
-            .connection()
-            .query_row("PRAGMA synchronous", [], |r| r.get(0))?;
-        assert_eq!(got, 0);
-    }
-    Ok(inbox)
+    let config = match sync {
+        Sync::Full => inbox_config(),
+        Sync::Normal => inbox_config().synchronous(edge_inbox::Synchronous::Normal),
+    };
+    Ok(Inbox::open(path, config)?)
 }
 
 /// `n` distinct message ids, prefixed so separate runs never collide.

@@ -2,7 +2,7 @@
 
 use super::*;
 
-/// `n` deliveries of one kind with `synchronous=OFF`, for callgrind. Setup is the same whatever `n`, so the
+/// `n` deliveries of one kind with `synchronous=NORMAL` (no sync at commit), for callgrind. Setup is the same whatever `n`, so the
 /// difference between two runs divided by the difference in `n` is the cost per delivery.
 pub(crate) fn instructions(dir: &Path, kind: &str, n: usize) -> anyhow::Result<()> {
     let path = dir.join(format!("instructions-{kind}.db"));
@@ -11,13 +11,13 @@ pub(crate) fn instructions(dir: &Path, kind: &str, n: usize) -> anyhow::Result<(
     match kind {
         "raw" | "raw256" => {
             let per_tx = if kind == "raw" { 1 } else { 256 };
-            let mut raw = Raw::open(&path, Sync::Off)?;
+            let mut raw = Raw::open(&path, Sync::Normal)?;
             for c in ids.chunks(per_tx) {
                 raw.insert_tx(c, now)?;
             }
         }
         "process" | "process-noop" => {
-            let mut inbox = open_inbox(&path, Sync::Off)?;
+            let mut inbox = open_inbox(&path, Sync::Normal)?;
             let ds = deliveries(&ids, PAYLOAD);
             let hits = if kind == "process" {
                 process_each(&mut inbox, &ds, &mut kv_handler(), "processed")?
@@ -27,13 +27,13 @@ pub(crate) fn instructions(dir: &Path, kind: &str, n: usize) -> anyhow::Result<(
             anyhow::ensure!(hits == n);
         }
         "classic" => {
-            let mut peer = Peer::open(&path, Sync::Off)?;
+            let mut peer = Peer::open(&path, Sync::Normal)?;
             for id in &ids {
                 anyhow::ensure!(peer.classic(id)?);
             }
         }
         "batch256" => {
-            let mut inbox = open_inbox(&path, Sync::Off)?;
+            let mut inbox = open_inbox(&path, Sync::Normal)?;
             let ds = deliveries(&ids, PAYLOAD);
             let mut outcomes = Vec::with_capacity(256);
             let hits = process_batches(&mut inbox, &ds, 256, &mut kv_handler(), &mut outcomes)?;
@@ -65,7 +65,7 @@ pub(crate) fn wal_frames(dir: &Path, n: usize) -> anyhow::Result<()> {
         };
         let per = match kind {
             "raw" => {
-                let mut raw = Raw::open(&path, Sync::Off)?;
+                let mut raw = Raw::open(&path, Sync::Normal)?;
                 raw.conn().execute_batch("PRAGMA wal_autocheckpoint = 0")?;
                 for c in ids[..50].chunks(1) {
                     raw.insert_tx(c, now)?;
@@ -77,7 +77,7 @@ pub(crate) fn wal_frames(dir: &Path, n: usize) -> anyhow::Result<()> {
                 (frames(raw.conn())? - before) as f64 / n as f64
             }
             "classic" => {
-                let mut peer = Peer::open(&path, Sync::Off)?;
+                let mut peer = Peer::open(&path, Sync::Normal)?;
                 peer.conn().execute_batch("PRAGMA wal_autocheckpoint = 0")?;
                 for id in &ids[..50] {
                     anyhow::ensure!(peer.classic(id)?);
@@ -89,7 +89,7 @@ pub(crate) fn wal_frames(dir: &Path, n: usize) -> anyhow::Result<()> {
                 (frames(peer.conn())? - before) as f64 / n as f64
             }
             _ => {
-                let mut inbox = open_inbox(&path, Sync::Off)?;
+                let mut inbox = open_inbox(&path, Sync::Normal)?;
                 inbox
                     .connection()
                     .execute_batch("PRAGMA wal_autocheckpoint = 0")?;
