@@ -404,7 +404,7 @@ fn run_one(
                     fill(&mut inbox, tag, prefill)?;
                 }
                 if !super::fresh_wal() {
-                    wrap_wal(&mut inbox, &path, tag)?;
+                    wrap_wal(&inbox, &path, tag)?;
                 }
                 written = Written::now();
                 syncs_from = field_vfs::wal_sync_mark();
@@ -558,27 +558,27 @@ fn fsyncs(dir: &Path, samples: usize) -> anyhow::Result<Vec<Duration>> {
 /// run's.
 const WARM_UP_SCOPE: &str = "wal-warm-up";
 
-/// Commits deliveries of another scope, one per transaction at `synchronous=OFF` (quick, and nothing
-/// here is timed), until the WAL has wrapped once (a chunk that did not grow it), then copies them back
-/// with the file's size kept: the run is timed on a WAL of its steady size, as on a gateway that has run
+/// Commits deliveries of another scope, one per transaction at `synchronous=NORMAL` (quick, and nothing
+/// here is timed; through an inbox of its own on the file, as the inbox puts back a level lowered through
+/// its connection before the next commit), until the WAL has wrapped once (a chunk that did not grow it),
+/// then copies them back with the file's size kept: the run is timed on a WAL of its steady size, as on a gateway that has run
 /// for a while, not on a fresh WAL's first pass, whose appends make every sync also commit the file's size.
-fn wrap_wal(inbox: &mut Inbox, path: &Path, tag: &str) -> anyhow::Result<()> {
+fn wrap_wal(inbox: &Inbox, path: &Path, tag: &str) -> anyhow::Result<()> {
     const CHUNK: usize = 500;
     const MAX_CHUNKS: usize = 400;
     let wal = std::path::PathBuf::from(format!("{}-wal", path.display()));
-    let conn = inbox.connection();
-    let level: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0))?;
-    conn.execute_batch("PRAGMA synchronous = OFF")?;
+    let config = super::inbox_config().synchronous(edge_inbox::Synchronous::Normal);
+    let mut warm = Inbox::open(path, config)?;
     let mut handler = super::kv_handler();
     super::table::until_wal_wraps(&wal, MAX_CHUNKS, |chunk| {
         for id in super::ids(&format!("w-{tag}-{chunk}"), CHUNK) {
             let d = Delivery::new(WARM_UP_SCOPE, &id, super::TOPIC, super::PAYLOAD);
-            inbox.process(&d, &mut handler)?;
+            warm.process(&d, &mut handler)?;
         }
         Ok(())
     })?;
+    drop(warm);
     let conn = inbox.connection();
-    conn.execute_batch(&format!("PRAGMA synchronous = {level}"))?;
     super::table::checkpoint(conn, "RESTART")
 }
 
