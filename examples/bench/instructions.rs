@@ -2,8 +2,9 @@
 
 use super::*;
 
-/// `n` deliveries of one kind with `synchronous=NORMAL` (no sync at commit), for callgrind. Setup is the same whatever `n`, so the
-/// difference between two runs divided by the difference in `n` is the cost per delivery.
+/// `n` deliveries of one kind with `synchronous=NORMAL` (no sync at commit), for callgrind. Setup is the
+/// same whatever `n`, so the difference between two runs divided by the difference in `n` is the cost per
+/// delivery.
 pub(crate) fn instructions(dir: &Path, kind: &str, n: usize) -> anyhow::Result<()> {
     let path = dir.join(format!("instructions-{kind}.db"));
     let ids = ids("i", n);

@@ -561,8 +561,9 @@ const WARM_UP_SCOPE: &str = "wal-warm-up";
 /// Commits deliveries of another scope, one per transaction at `synchronous=NORMAL` (quick, and nothing
 /// here is timed; through an inbox of its own on the file, as the inbox puts back a level lowered through
 /// its connection before the next commit), until the WAL has wrapped once (a chunk that did not grow it),
-/// then copies them back with the file's size kept: the run is timed on a WAL of its steady size, as on a gateway that has run
-/// for a while, not on a fresh WAL's first pass, whose appends make every sync also commit the file's size.
+/// then copies them back with the file's size kept: the run is timed on a WAL of its steady size, as on a
+/// gateway that has run for a while, not on a fresh WAL's first pass, whose appends make every sync also
+/// commit the file's size.
 fn wrap_wal(inbox: &Inbox, path: &Path, tag: &str) -> anyhow::Result<()> {
     const CHUNK: usize = 500;
     const MAX_CHUNKS: usize = 400;

@@ -17,7 +17,7 @@
 //! from a virtual machine during each run, its `steal`; `--split-cores` gives the consumer under test the
 //! upper half of the CPUs and the broker, the publisher and the relay the lower half, in e2e too), `disk`
 //! (the device alone: 4 KiB syncs in a loop for `--seconds`, and how often one stalls). `--instructions
-//! KIND` does `--n` deliveries of one kind with `synchronous=OFF` for `valgrind --tool=callgrind`; KIND is
+//! KIND` does `--n` deliveries of one kind with `synchronous=NORMAL` for `valgrind --tool=callgrind`; KIND is
 //! `raw`, `classic`, `process`, `process-noop`, `raw256` or `batch256`.
 //!
 //! Every row runs on a fresh database file in `--db-dir` with `synchronous=FULL`; all rows run once per
@@ -164,7 +164,7 @@ struct Args {
     /// inbox's file first (in the table every row's), as on a gateway that has kept months of identities.
     #[arg(long, value_name = "N", default_value_t = 0)]
     prefill: u64,
-    /// Do `--n` deliveries of one kind with `synchronous=OFF`, for callgrind (overrides `--mode`).
+    /// Do `--n` deliveries of one kind with `synchronous=NORMAL`, for callgrind (overrides `--mode`).
     #[arg(long, value_name = "KIND", value_parser = ["raw", "classic", "process", "process-noop", "raw256", "batch256"])]
     instructions: Option<String>,
     /// Field storage: add this many milliseconds to every sync (SD card, eMMC), through a VFS that wraps the
