@@ -136,16 +136,9 @@ impl AckGate {
         use rumqttc::v5::Event as E;
         self.lost(|| {
             eventloop.clean();
-            let written = eventloop
-                .state
-                .events
-                .iter()
-                .filter(|e| matches!(e, E::Outgoing(rumqttc::Outgoing::PubAck(_))))
-                .count();
-            self.0
-                .acks_written
-                .fetch_add(written as u64, Ordering::Relaxed);
-            eventloop.state.events.clear();
+            self.drop_events(&mut eventloop.state.events, |e| {
+                matches!(e, E::Outgoing(rumqttc::Outgoing::PubAck(_)))
+            });
         });
     }
 
@@ -154,17 +147,24 @@ impl AckGate {
         use rumqttc::Event as E;
         self.lost(|| {
             eventloop.clean();
-            let written = eventloop
-                .state
-                .events
-                .iter()
-                .filter(|e| matches!(e, E::Outgoing(rumqttc::Outgoing::PubAck(_))))
-                .count();
-            self.0
-                .acks_written
-                .fetch_add(written as u64, Ordering::Relaxed);
-            eventloop.state.events.clear();
+            self.drop_events(&mut eventloop.state.events, |e| {
+                matches!(e, E::Outgoing(rumqttc::Outgoing::PubAck(_)))
+            });
         });
+    }
+
+    /// Drops the events a lost connection's event loop still holds, counting the PUBACKs among them (it wrote
+    /// those before the error) as written.
+    fn drop_events<E>(
+        &self,
+        events: &mut std::collections::VecDeque<E>,
+        is_puback: impl Fn(&E) -> bool,
+    ) {
+        let written = events.iter().filter(|e| is_puback(e)).count();
+        self.0
+            .acks_written
+            .fetch_add(written as u64, Ordering::Relaxed);
+        events.clear();
     }
 
     /// The connection acks may be sent on now, if any.
